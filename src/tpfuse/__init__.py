@@ -1,0 +1,21 @@
+"""tpfuse: fused all-reduce + residual add + RMSNorm for tensor-parallel inference.
+
+    import tpfuse
+    comm = tpfuse.get_communicator(group)              # once, before any CUDA-graph capture
+    y, h = tpfuse.allreduce_add_rmsnorm(x, residual, weight, eps, group=group)
+"""
+
+from tpfuse._stats import reset_stats, stats
+from tpfuse.comm import Communicator, destroy_all, get_communicator
+from tpfuse.ops import allreduce_add_rmsnorm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Communicator",
+    "allreduce_add_rmsnorm",
+    "destroy_all",
+    "get_communicator",
+    "reset_stats",
+    "stats",
+]

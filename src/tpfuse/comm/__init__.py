@@ -1,0 +1,11 @@
+"""Communicators: one per process group, owning the peer-mapped workspace the kernels use."""
+
+from tpfuse.comm.communicator import (
+    Communicator,
+    destroy_all,
+    get_communicator,
+    lookup_communicator,
+    resolve_group,
+)
+
+__all__ = ["Communicator", "destroy_all", "get_communicator", "lookup_communicator", "resolve_group"]

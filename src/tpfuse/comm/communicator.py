@@ -1,0 +1,185 @@
+"""One communicator per process group, kept by a process-wide registry."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+
+import torch
+import torch.distributed as dist
+
+from tpfuse import select
+from tpfuse.comm import workspace as ws
+from tpfuse.kernels import kernels_usable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 512
+DEFAULT_HIDDEN = 8192
+
+_registry: dict[str, Communicator] = {}
+_registry_lock = threading.RLock()
+
+
+def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The process group ``group`` names (the default group for None), checked for membership."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group first")
+    if group is None:
+        group = dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(group, dist.ProcessGroup):
+        raise ValueError("this process is not a member of the given process group")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"this process is not a member of process group {group.group_name!r}")
+    return group
+
+
+def group_device(group: dist.ProcessGroup) -> torch.device:
+    """The device a group's collectives run on: the current GPU for NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Communicator:
+    """The fused op's per-group state: the peer-mapped workspace and the kernels' counters.
+
+    Obtain it with :func:`get_communicator`; never construct it directly. It is created once per
+    process group, lives in a process-wide registry, and is destroyed by :meth:`destroy` or at
+    interpreter exit. Create it (and size it) before any CUDA-graph capture: capture never allocates.
+
+    Attributes
+    ----------
+    group : torch.distributed.ProcessGroup
+    group_name : str
+    rank, world_size : int
+        This process's rank in ``group`` and the group's size.
+    device : torch.device
+    """
+
+    def __init__(self, group: dist.ProcessGroup, max_tokens: int, hidden: int):
+        self.group = group
+        self.group_name = group.group_name
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = group_device(group)
+        self.workspace: ws.Workspace | None = None
+        self._destroyed = False
+        self._allocate(max_tokens * hidden)
+
+    def _allocate(self, region_elems: int) -> None:
+        if self.world_size < 2 or not kernels_usable(self.device):
+            return  # no kernel can run here: every call takes the reference path
+        if self.device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"tpfuse: cannot allocate the workspace of group {self.group_name!r} during CUDA "
+                    "graph capture; call tpfuse.get_communicator(...) before capturing"
+                )
+            self.workspace = ws.allocate_cuda(self.group, region_elems, self.device)
+        else:
+            self.workspace = ws.allocate_shared_files(self.group, region_elems)
+        log.info("tpfuse: group %s rank %d: workspace of %d bytes per rank region",
+                 self.group_name, self.rank, self.workspace.region_bytes)
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes one rank may send per call (0 without a workspace): the input of ``max_token_num``."""
+        return self.workspace.region_bytes if self.workspace is not None else 0
+
+    def max_token_num(self, hidden: int, dtype: torch.dtype) -> int:
+        """Largest token count a fused call of this group can take (see :func:`tpfuse.select.max_token_num`)."""
+        return select.max_token_num(hidden, dtype, self.world_size, self.workspace_bytes, self.device)
+
+    def check_usable(self) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"tpfuse: the communicator of group {self.group_name!r} was destroyed")
+
+    def ensure_capacity(self, max_tokens: int, hidden: int) -> None:
+        """Grow the workspace to hold ``max_tokens`` rows of ``hidden`` (collective when it grows)."""
+        self.check_usable()
+        if self.workspace is None or max_tokens * hidden <= self.workspace.region_elems:
+            return
+        if self.device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"tpfuse: cannot grow the workspace of group {self.group_name!r} during CUDA graph "
+                    "capture; size it with tpfuse.get_communicator(max_tokens=..., hidden=...) first"
+                )
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # no peer may still be pushing into the old buffers
+        self.workspace.release()
+        self.workspace = None
+        self._allocate(max_tokens * hidden)
+
+    def destroy(self) -> None:
+        """Free the workspace and leave the registry. Idempotent; not collective, so safe at exit."""
+        with _registry_lock:
+            if self._destroyed:
+                return
+            self._destroyed = True
+            if _registry.get(self.group_name) is self:
+                del _registry[self.group_name]
+        if self.workspace is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # our kernels may still use the buffers
+            self.workspace.release()
+            self.workspace = None
+
+    def __repr__(self) -> str:
+        state = "destroyed" if self._destroyed else f"workspace_bytes={self.workspace_bytes}"
+        return (f"Communicator(group={self.group_name!r}, rank={self.rank}, world_size={self.world_size}, "
+                f"device={self.device}, {state})")
+
+
+def get_communicator(
+    group: dist.ProcessGroup | None = None,
+    *,
+    max_tokens: int | None = None,
+    hidden: int | None = None,
+) -> Communicator:
+    """Return the one communicator of ``group``, creating it on first use.
+
+    Creating or growing is collective: every rank of the group must make the same call. A second
+    call returns the same object; with a larger ``max_tokens * hidden`` than it holds, it grows the
+    workspace first. Thread-safe.
+
+    Parameters
+    ----------
+    group : ProcessGroup, optional
+        The default group when None.
+    max_tokens, hidden : int, optional
+        Size the workspace for calls of up to ``max_tokens`` rows of ``hidden`` 16-bit elements
+        (defaults 512 and 8192: 8 MiB a rank a slot).
+    """
+    group = resolve_group(group)
+    with _registry_lock:
+        comm = _registry.get(group.group_name)
+        if comm is None:
+            comm = Communicator(group, max_tokens or DEFAULT_MAX_TOKENS, hidden or DEFAULT_HIDDEN)
+            _registry[group.group_name] = comm
+        elif max_tokens is not None or hidden is not None:
+            comm.ensure_capacity(max_tokens or DEFAULT_MAX_TOKENS, hidden or DEFAULT_HIDDEN)
+        return comm
+
+
+def lookup_communicator(group_name: str) -> Communicator | None:
+    """The registered communicator of a group, or None; never creates one (used by the op and pass)."""
+    with _registry_lock:
+        return _registry.get(group_name)
+
+
+def destroy_all() -> None:
+    """Destroy every registered communicator (also run at interpreter exit)."""
+    with _registry_lock:
+        comms = list(_registry.values())
+    for comm in comms:
+        comm.destroy()
+
+
+atexit.register(destroy_all)

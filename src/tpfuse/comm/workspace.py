@@ -1,0 +1,138 @@
+"""Peer-mapped buffers the kernels push into: torch symmetric memory on CUDA, shared files on CPU.
+
+Each rank owns one buffer of ``NUM_SLOTS * world_size * region_elems`` 16-bit words, filled with
+the sentinel, plus a small private state vector the kernels use to rotate slots. Every rank holds a
+table of the device addresses of all ranks' buffers (``peer_ptrs``): kernels reach peers only
+through it, never through tensor arguments (the Triton interpreter copies tensor arguments back
+after a launch, which would overwrite what peers wrote meanwhile).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+
+#: -0.0 in bf16 and fp16: marks a word nobody has written since it was last cleared.
+SENTINEL = -32768
+NUM_SLOTS = 3
+# state vector layout (int32): the kernel and the host agree on these positions.
+STATE_CALL = 0  # calls completed: selects the slot (call % NUM_SLOTS)
+STATE_ARRIVED = 1  # programs of the running call that have finished
+STATE_EXTENT = 2  # NUM_SLOTS entries: elements per rank written into each slot by its last call
+STATE_ERROR = 5  # set by a kernel whose wait for a peer ran out
+STATE_LEN = 8
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "tpfuse-"
+
+
+class Workspace:
+    """One rank's view of the peer-mapped buffers of a group.
+
+    Attributes
+    ----------
+    region_elems : int
+        16-bit words one rank may send per call (its region in every peer's slot).
+    peer_ptrs : torch.Tensor
+        int64 [world_size] addresses of every rank's buffer, on the communicator's device.
+    state : torch.Tensor
+        int32 [STATE_LEN] slot-rotation state, private to this rank, on the device.
+    """
+
+    def __init__(self, region_elems: int, peer_ptrs: torch.Tensor, state: torch.Tensor, keep_alive: list):
+        self.region_elems = region_elems
+        self.peer_ptrs = peer_ptrs
+        self.state = state
+        self._keep_alive = keep_alive  # the mapped tensors / symmetric buffers behind peer_ptrs
+
+    @property
+    def region_bytes(self) -> int:
+        return self.region_elems * 2
+
+    def release(self) -> None:
+        self._keep_alive.clear()
+        self.peer_ptrs = None
+        self.state = None
+
+
+def _buffer_elems(region_elems: int, world_size: int) -> int:
+    total = NUM_SLOTS * world_size * region_elems
+    if total >= 2**31:  # the kernels index buffers with 32-bit slot offsets
+        raise ValueError(f"workspace of {total} words per rank is too large; ask for fewer tokens")
+    return total
+
+
+def allocate_cuda(group: dist.ProcessGroup, region_elems: int, device: torch.device) -> Workspace:
+    """Symmetric-memory workspace for a NCCL group (collective: every rank of ``group`` calls it)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    world = dist.get_world_size(group)
+    buf = symm_mem.empty(_buffer_elems(region_elems, world), dtype=torch.int16, device=device)
+    buf.fill_(SENTINEL)
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed on torch < 2.12, harmless after
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    handle = symm_mem.rendezvous(buf, group.group_name)
+    peer_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+    state = torch.zeros(STATE_LEN, dtype=torch.int32, device=device)
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)  # every rank's sentinel fill is done before anyone pushes
+    return Workspace(region_elems, peer_ptrs, state, [buf, handle])
+
+
+def remove_stale_shm_files() -> int:
+    """Unlink workspace files left by processes that died before they could unlink them.
+
+    Files are named ``tpfuse-<group token>-r<rank>-p<pid>``; a file whose pid no longer runs is
+    stale. Returns how many were removed.
+    """
+    removed = 0
+    for path in glob.glob(os.path.join(SHM_DIR, SHM_PREFIX + "*-p*")):
+        try:
+            pid = int(path.rsplit("-p", 1)[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+        except (ValueError, PermissionError):
+            continue
+    return removed
+
+
+def shm_files() -> list[str]:
+    """Workspace files present now (normally none: each is unlinked once every rank mapped it)."""
+    return sorted(glob.glob(os.path.join(SHM_DIR, SHM_PREFIX + "*")))
+
+
+def allocate_shared_files(group: dist.ProcessGroup, region_elems: int) -> Workspace:
+    """CPU workspace over shared-memory files that every rank maps (collective).
+
+    Each rank creates its file, everyone maps everyone's, then each rank unlinks its own file: the
+    mappings stay valid and nothing remains on disk, even if a process crashes later. Only a crash
+    inside this function can leave a file; :func:`remove_stale_shm_files` (run here first) removes
+    those by their dead pid.
+    """
+    remove_stale_shm_files()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    token = [uuid.uuid4().hex[:12] if rank == 0 else None]
+    dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid(), group=group)
+    paths = [os.path.join(SHM_DIR, f"{SHM_PREFIX}{token[0]}-r{r}-p{pids[r]}") for r in range(world)]
+    n = _buffer_elems(region_elems, world)
+    own = torch.from_file(paths[rank], shared=True, size=n, dtype=torch.int16)
+    own.fill_(SENTINEL)
+    dist.barrier(group=group)
+    mapped = [own if r == rank else torch.from_file(paths[r], shared=True, size=n, dtype=torch.int16)
+              for r in range(world)]
+    dist.barrier(group=group)
+    os.unlink(paths[rank])
+    peer_ptrs = torch.tensor([t.data_ptr() for t in mapped], dtype=torch.int64)
+    state = torch.zeros(STATE_LEN, dtype=torch.int32)
+    return Workspace(region_elems, peer_ptrs, state, mapped)

@@ -1,0 +1,31 @@
+"""Triton kernels of tpfuse, each beside its pure-torch reference (``reference.py``).
+
+Kernel modules are imported lazily: Triton decides at decoration time whether a kernel runs
+compiled or in its CPU interpreter (``TRITON_INTERPRET=1``), so the choice must be made before.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+
+@functools.cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernels_usable(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on ``device``: a CUDA GPU, or the CPU interpreter."""
+    if not triton_installed():
+        return False
+    if device.type == "cuda":
+        return not interpreter_enabled()
+    return device.type == "cpu" and interpreter_enabled()

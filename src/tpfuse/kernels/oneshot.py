@@ -1,0 +1,142 @@
+"""One-shot fused all-reduce + residual add + RMSNorm (+ fp8 quantisation) over a peer-mapped workspace.
+
+Protocol (no barrier round trip, graph-safe; see docs/kernel-notes.md):
+
+    call c uses slot s = c % 3 of every rank's buffer; rank r's rows go to region r of that slot
+    push:   every program stores its row of x (with -0.0 made +0.0) into region RANK of slot s of
+            every peer
+    wait:   it polls region r of its own slot s (volatile loads) until no word holds the sentinel
+            (-0.0), for each peer r; its own row it takes from registers
+    reduce: fp32 sum in rank order, + residual, RMSNorm, * weight, optional fp8
+    clear:  the programs together reset slot (c - 1) % 3 to the sentinel, over the extent the
+            previous call wrote (kept on the device, never recomputed from this call's shape)
+    count:  the last program to finish records this call's extent and advances c
+
+A peer can be at most one call ahead (it needs our data to finish each call), so it only ever
+writes slot (c + 1) % 3, which the call before this one cleared: three slots suffice. Programs
+never wait on programs of the same launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpfuse.comm.workspace import SENTINEL, STATE_ERROR, STATE_LEN, Workspace
+
+# Polls of one peer row before a kernel gives up, flags STATE_ERROR and moves on (never hangs).
+DEFAULT_MAX_SPINS = 1 << 30
+
+
+@triton.jit
+def _oneshot_allreduce_add_rmsnorm_kernel(
+    x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, scale_ptr,
+    peer_ptrs_ptr, state_ptr,
+    n_tokens, hidden, region_elems, eps, max_spins,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr,
+):
+    SENT: tl.constexpr = SENTINEL
+    row = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    call = tl.load(state_ptr + 0)
+    slot = call % 3
+    slot_base = slot.to(tl.int64) * WORLD * region_elems
+
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    offs = row.to(tl.int64) * hidden + cols
+    x_bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
+    x_bits = tl.where(x_bits == SENT, 0, x_bits)  # an input -0.0 would read as "not arrived"
+
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            peer = tl.load(peer_ptrs_ptr + r).to(tl.pointer_type(tl.int16))
+            tl.store(peer + slot_base + RANK * region_elems + offs, x_bits, mask=mask)
+
+    # Everything that does not depend on peers is loaded before the wait.
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    own = tl.load(peer_ptrs_ptr + RANK).to(tl.pointer_type(tl.int16))
+
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    spins = 0
+    for r in tl.static_range(WORLD):
+        if r == RANK:
+            bits = x_bits
+        else:
+            src = own + slot_base + r * region_elems + offs
+            bits = tl.load(src, mask=mask, other=0, volatile=True)
+            while (tl.max((bits == SENT).to(tl.int32), axis=0) > 0) & (spins < max_spins):
+                bits = tl.load(src, mask=mask, other=0, volatile=True)
+                spins += 1
+        acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+    if spins >= max_spins:
+        tl.atomic_xchg(state_ptr + STATE_ERROR, 1)
+
+    h = acc
+    if HAS_RESIDUAL:
+        h += res
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
+    y = h * rstd * w
+    if HAS_QUANT:
+        y = tl.clamp(y / tl.load(scale_ptr), -448.0, 448.0)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    # Clear the previous call's slot, split over this launch's programs.
+    prev_slot = (call + 2) % 3
+    prev_extent = tl.load(state_ptr + 2 + prev_slot)
+    prev_base = prev_slot.to(tl.int64) * WORLD * region_elems
+    sentinel = tl.full([BLOCK_H], SENT, tl.int16)
+    for r in tl.static_range(WORLD):
+        if r != RANK:  # nobody writes our own region: we keep our row in registers
+            start = row * BLOCK_H
+            while start < prev_extent:
+                idx = start + cols
+                tl.store(own + prev_base + r * region_elems + idx, sentinel, mask=idx < prev_extent)
+                start += n_programs * BLOCK_H
+
+    # Every program has read the state by the time it arrives; the last one advances it.
+    arrived = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel")
+    if arrived == n_programs - 1:
+        tl.store(state_ptr + 2 + slot, n_tokens * hidden)
+        tl.store(state_ptr + 0, call + 1)
+        tl.store(state_ptr + 1, 0)
+
+
+def launch_config(hidden: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) for a row of ``hidden``: 8 elements (16 bytes) a thread, 1-16 warps."""
+    block_h = triton.next_power_of_2(hidden)
+    num_warps = max(1, min(16, block_h // 256))
+    return block_h, num_warps
+
+
+def oneshot_allreduce_add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    y: torch.Tensor,
+    h: torch.Tensor,
+    workspace: Workspace,
+    rank: int,
+    world_size: int,
+    quant_scale: torch.Tensor | None = None,
+    max_spins: int = DEFAULT_MAX_SPINS,
+) -> None:
+    """Launch the one-shot kernel: writes ``y`` and ``h``. Inputs are checked by the caller."""
+    n_tokens, hidden = x.shape
+    assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
+    block_h, num_warps = launch_config(hidden)
+    _oneshot_allreduce_add_rmsnorm_kernel[(n_tokens,)](
+        x, residual if residual is not None else x, weight, y, h,
+        quant_scale if quant_scale is not None else weight,
+        workspace.peer_ptrs, workspace.state,
+        n_tokens, hidden, workspace.region_elems, eps, max_spins,
+        RANK=rank, WORLD=world_size, BLOCK_H=block_h,
+        HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None,
+        num_warps=num_warps,
+    )

@@ -1,0 +1,204 @@
+"""All-reduce + residual add + RMSNorm (+ static fp8) as ``torch.library`` custom ops.
+
+Two ops share one implementation: ``tpfuse::allreduce_add_rmsnorm`` (functional, what graphs and
+the compiler pass use) and ``tpfuse::allreduce_add_rmsnorm_out`` (writes preallocated outputs).
+Each call picks its backend: the Triton one-shot kernel when the group's communicator has a
+workspace and the call fits :func:`tpfuse.select.max_token_num`, otherwise the reference path
+(the group's own all-reduce, then the same norm in torch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tpfuse import _stats
+from tpfuse.comm.communicator import lookup_communicator, resolve_group
+from tpfuse.comm.workspace import STATE_ERROR
+from tpfuse.kernels.reference import add_rmsnorm_reference
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def _output_dtype(x: torch.Tensor, quant_scale: torch.Tensor | None) -> torch.dtype:
+    return FP8_DTYPE if quant_scale is not None else x.dtype
+
+
+def check_inputs(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    quant_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the first problem with the op's arguments."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a tensor, got {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous")
+    shape = tuple(x.shape)
+
+    def same_place(t: torch.Tensor, name: str) -> None:
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+    if residual is not None:
+        if residual.dtype != x.dtype:
+            raise TypeError(f"residual has dtype {residual.dtype} but x has {x.dtype}")
+        if tuple(residual.shape) != shape:
+            raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {shape}")
+        if not residual.is_contiguous():
+            raise ValueError("residual must be contiguous")
+        same_place(residual, "residual")
+    if weight.dim() != 1 or weight.numel() != shape[1]:
+        raise ValueError(f"weight must have shape ({shape[1]},), got {tuple(weight.shape)}")
+    if weight.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"weight has dtype {weight.dtype}; expected {x.dtype} or float32")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous")
+    same_place(weight, "weight")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if quant_scale is not None:
+        if quant_scale.dtype != torch.float32 or quant_scale.numel() != 1:
+            raise ValueError("quant_scale must be a float32 tensor of one element")
+        same_place(quant_scale, "quant_scale")
+    for name, t, dtype in (("out", out, _output_dtype(x, quant_scale)), ("residual_out", residual_out, x.dtype)):
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {shape}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        same_place(t, name)
+
+
+def _group_by_name(group_name: str) -> dist.ProcessGroup:
+    try:
+        return dist.distributed_c10d._resolve_process_group(group_name)
+    except Exception as exc:  # the private resolver raises several types across torch versions
+        raise ValueError(f"tpfuse: unknown process group {group_name!r}") from exc
+
+
+def _run(x, residual, weight, eps, group_name, quant_scale, y, h) -> None:
+    check_inputs(x, residual, weight, eps, quant_scale, y, h)
+    n_tokens, hidden = x.shape
+    if n_tokens == 0:
+        return
+    comm = lookup_communicator(group_name)
+    if (comm is not None and comm.device == x.device
+            and n_tokens <= comm.max_token_num(hidden, x.dtype)):
+        from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
+
+        oneshot_allreduce_add_rmsnorm(x, residual, weight, eps, y, h, comm.workspace, comm.rank,
+                                      comm.world_size, quant_scale)
+        _stats.record("triton.oneshot")
+        if x.device.type == "cpu" and comm.workspace.state[STATE_ERROR].item():
+            raise RuntimeError(f"tpfuse: group {group_name!r}: a peer never delivered its rows "
+                               f"(call of {n_tokens} x {hidden}); a rank stalled or calls mismatched")
+        return
+    group = _group_by_name(group_name)
+    reduced = x.to(torch.float32, copy=True)
+    dist.all_reduce(reduced, group=group)
+    y_ref, h_ref = add_rmsnorm_reference(reduced, residual, weight, eps, quant_scale, out_dtype=x.dtype)
+    y.copy_(y_ref)
+    h.copy_(h_ref)
+    _stats.record("reference")
+
+
+@torch.library.custom_op("tpfuse::allreduce_add_rmsnorm", mutates_args=())
+def _allreduce_add_rmsnorm_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    group_name: str,
+    quant_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y = torch.empty(x.shape, dtype=_output_dtype(x, quant_scale), device=x.device)
+    h = torch.empty_like(x)
+    _run(x, residual, weight, eps, group_name, quant_scale, y, h)
+    return y, h
+
+
+@_allreduce_add_rmsnorm_op.register_fake
+def _(x, residual, weight, eps, group_name, quant_scale):
+    return torch.empty(x.shape, dtype=_output_dtype(x, quant_scale), device=x.device), torch.empty_like(x)
+
+
+@torch.library.custom_op("tpfuse::allreduce_add_rmsnorm_out", mutates_args=("y", "h"))
+def _allreduce_add_rmsnorm_out_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    group_name: str,
+    quant_scale: torch.Tensor | None,
+    y: torch.Tensor,
+    h: torch.Tensor,
+) -> None:
+    _run(x, residual, weight, eps, group_name, quant_scale, y, h)
+
+
+@_allreduce_add_rmsnorm_out_op.register_fake
+def _(x, residual, weight, eps, group_name, quant_scale, y, h):
+    return None
+
+
+def allreduce_add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    group: dist.ProcessGroup | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    quant_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum ``x`` over the ranks of ``group``, add ``residual``, apply RMSNorm: one fused call.
+
+    Computes ``h = sum_ranks(x) + residual`` and ``y = h * rsqrt(mean(h**2, -1) + eps) * weight``
+    with fp32 accumulation; every rank gets bit-identical ``y`` and ``h``.
+
+    Parameters
+    ----------
+    x : Tensor [T, H]
+        This rank's partial result; bfloat16, float16 or float32, contiguous.
+    residual : Tensor [T, H] or None
+        Added after the reduction; None means zero.
+    weight : Tensor [H]
+        RMSNorm gain, in x's dtype or float32.
+    eps : float
+        RMSNorm epsilon.
+    group : ProcessGroup, optional
+        The default group when None. The fused kernel runs when
+        ``tpfuse.get_communicator(group)`` was called beforehand and the call fits its workspace
+        (``tpfuse.select.max_token_num``); otherwise the group's own all-reduce does the reduction.
+    out, residual_out : Tensor [T, H], optional
+        Preallocated outputs for ``y`` and ``h``.
+    quant_scale : Tensor, optional
+        float32 of one element: ``y`` becomes float8_e4m3fn ``clamp(y / scale, -448, 448)``.
+
+    Returns
+    -------
+    (y, h) : tuple of Tensor
+        The normalised output and the new residual stream.
+    """
+    check_inputs(x, residual, weight, eps, quant_scale, out, residual_out)
+    group_name = resolve_group(group).group_name
+    if out is None and residual_out is None:
+        return torch.ops.tpfuse.allreduce_add_rmsnorm(x, residual, weight, eps, group_name, quant_scale)
+    y = out if out is not None else torch.empty(x.shape, dtype=_output_dtype(x, quant_scale), device=x.device)
+    h = residual_out if residual_out is not None else torch.empty_like(x)
+    torch.ops.tpfuse.allreduce_add_rmsnorm_out(x, residual, weight, eps, group_name, quant_scale, y, h)
+    return y, h
