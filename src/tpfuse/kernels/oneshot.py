@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.comm.workspace import SENTINEL, STATE_ERROR, STATE_LEN, Workspace
+from tpfuse.kernels.fp8 import fp32_to_e4m3fn_bits
 
 # Polls of one peer row before a kernel gives up, flags STATE_ERROR and moves on (never hangs).
 DEFAULT_MAX_SPINS = 1 << 30
@@ -82,9 +83,11 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
     y = h * rstd * w
-    if HAS_QUANT:
+    if HAS_QUANT:  # y_ptr is the fp8 output viewed as uint8
         y = tl.clamp(y / tl.load(scale_ptr), -448.0, 448.0)
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs, fp32_to_e4m3fn_bits(y), mask=mask)
+    else:
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     # Clear the previous call's slot, split over this launch's programs.
     prev_slot = (call + 2) % 3
@@ -132,7 +135,8 @@ def oneshot_allreduce_add_rmsnorm(
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
     block_h, num_warps = launch_config(hidden)
     _oneshot_allreduce_add_rmsnorm_kernel[(n_tokens,)](
-        x, residual if residual is not None else x, weight, y, h,
+        x, residual if residual is not None else x, weight,
+        y.view(torch.uint8) if quant_scale is not None else y, h,
         quant_scale if quant_scale is not None else weight,
         workspace.peer_ptrs, workspace.state,
         n_tokens, hidden, workspace.region_elems, eps, max_spins,

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The tests: set up (first time only), then pytest. On a machine without GPUs the kernels run in
+# Triton's CPU interpreter; ranks are processes joined by gloo (and NCCL where there are 2+ GPUs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_venv.sh
+if ! .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  export TRITON_INTERPRET=1
+fi
+exec .venv/bin/python -m pytest tests -q "$@"

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m tpfuse bench kernel`` (under torchrun or on all local GPUs)."""

@@ -1,0 +1,114 @@
+"""Communicator lifecycle: one per group, registry-owned, explicit destroy, no files left behind."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch.distributed as dist
+from conftest import BACKENDS
+
+import tpfuse
+from tpfuse.comm import workspace as ws
+from tpfuse.comm.communicator import lookup_communicator
+
+
+def _lifecycle(rank, world_size):
+    report = {}
+    a = tpfuse.get_communicator()
+    report["same object"] = tpfuse.get_communicator() is a
+    found = []
+    threads = [threading.Thread(target=lambda: found.append(tpfuse.get_communicator())) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    report["same from threads"] = all(c is a for c in found)
+    g1, g2 = dist.new_group(list(range(world_size))), dist.new_group(list(range(world_size)))
+    c1, c2 = tpfuse.get_communicator(g1, max_tokens=4, hidden=64), tpfuse.get_communicator(g2)
+    report["distinct groups"] = c1 is not c2 and c1 is not a and c2 is not a
+    small = c1.workspace_bytes
+    report["grows in place"] = tpfuse.get_communicator(g1, max_tokens=8, hidden=64) is c1 and (
+        c1.workspace_bytes == 2 * small)
+    dist.barrier()  # every rank has unlinked its file once all have mapped it
+    report["no files while alive"] = ws.shm_files() == []
+    c1.destroy()
+    c1.destroy()  # harmless
+    report["destroyed leaves registry"] = c1.destroyed and lookup_communicator(g1.group_name) is None
+    try:
+        c1.check_usable()
+        report["destroyed raises when used"] = False
+    except RuntimeError as exc:
+        report["destroyed raises when used"] = "destroyed" in str(exc)
+    fresh = tpfuse.get_communicator(g1)
+    report["fresh after destroy"] = fresh is not c1 and not fresh.destroyed and fresh.workspace is not None
+    tpfuse.destroy_all()
+    report["destroy_all"] = all(c.destroyed for c in (a, c2, fresh))
+    dist.barrier()
+    report["no files after destroy_all"] = ws.shm_files() == []
+    return report
+
+
+@pytest.mark.parametrize("backend", ["gloo"])
+def test_communicator_lifecycle(rank_pool, backend):
+    for report in rank_pool(2, backend).run(_lifecycle):
+        failed = [name for name, ok in report.items() if not ok]
+        assert not failed, failed
+
+
+def _not_member(rank, world_size):
+    group = dist.new_group([0])
+    if rank == 0:
+        return "member"
+    try:
+        tpfuse.get_communicator(group)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_group_this_process_is_not_in_is_refused(rank_pool):
+    assert "not a member" in rank_pool(2).run(_not_member)[1]
+
+
+def test_stale_shm_files_of_dead_processes_are_removed():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    pid = int(dead.stdout)
+    stale = os.path.join(ws.SHM_DIR, f"{ws.SHM_PREFIX}deadbeef-r0-p{pid}")
+    live = os.path.join(ws.SHM_DIR, f"{ws.SHM_PREFIX}cafe-r0-p{os.getpid()}")
+    for path in (stale, live):
+        open(path, "wb").close()
+    try:
+        ws.remove_stale_shm_files()
+        assert not os.path.exists(stale) and os.path.exists(live)
+    finally:
+        for path in (stale, live):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def _capture_refuses_allocation(rank, world_size):
+    import torch
+
+    group = dist.new_group(list(range(world_size)))
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    message = None
+    with torch.cuda.stream(stream):
+        try:
+            with torch.cuda.graph(graph, stream=stream):
+                try:
+                    tpfuse.get_communicator(group)
+                except RuntimeError as exc:
+                    message = str(exc)
+        except Exception:
+            pass
+    return message
+
+
+@pytest.mark.skipif("nccl" not in BACKENDS, reason="needs 2 GPUs")
+def test_workspace_allocation_during_graph_capture_raises(rank_pool):
+    for message in rank_pool(2, "nccl").run(_capture_refuses_allocation):
+        assert message and "capture" in message, message

@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+from tpfuse.testing import RankPool
+
+# Ranks run as processes: gloo on the CPU (kernels under the Triton interpreter) always, NCCL on GPUs
+# when this machine has at least two.
+BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else [])
+
+_pools: dict[tuple[int, str], RankPool] = {}
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """``rank_pool(world_size, backend)``: a live pool, reused across tests, replaced after a failure."""
+
+    def get(world_size: int, backend: str = "gloo") -> RankPool:
+        if backend == "nccl" and torch.cuda.device_count() < world_size:
+            pytest.skip(f"needs {world_size} GPUs")
+        key = (world_size, backend)
+        if key not in _pools or not _pools[key].alive:
+            _pools[key] = RankPool(world_size, backend)
+        return _pools[key]
+
+    yield get
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
+def rank_device(backend: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")

@@ -1,0 +1,94 @@
+"""The one-shot kernel's protocol: slot rotation, clearing, sentinel values, capacity."""
+
+import pytest
+import torch
+from conftest import BACKENDS, rank_device
+
+import tpfuse
+from tpfuse.comm.workspace import NUM_SLOTS, SENTINEL, STATE_CALL
+from tpfuse.testing.cases import Case, check_results
+
+# Token counts and hidden sizes that change from call to call, in an order that makes every slot
+# be cleared after calls of other shapes.
+SEQUENCE = [(5, 4096), (1, 512), (17, 4096), (3, 512), (2, 2880), (16, 8), (1, 4096), (9, 512)]
+
+
+def _sequence(rank, world_size, backend, cases, check_clear):
+    device = rank_device(backend, rank)
+    comm = tpfuse.get_communicator(max_tokens=24, hidden=4096)
+    tpfuse.reset_stats()
+    out, cleared = [], []
+    for case in cases:
+        inp = case.inputs(world_size, device)
+        y, h = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
+        out.append((y.cpu(), h.cpu()))
+        if check_clear:  # the slot of the previous call is all sentinel again, peers' regions included
+            call = int(comm.workspace.state[STATE_CALL])
+            buf = comm.workspace._keep_alive[rank].view(NUM_SLOTS, world_size, -1)
+            prev = buf[(call - 2) % NUM_SLOTS]
+            others = [r for r in range(world_size) if r != rank]
+            cleared.append(bool((prev[others] == SENTINEL).all()) if call >= 2 else True)
+    return out, cleared, tpfuse.stats()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_changing_shapes_rotate_and_clear_slots(rank_pool, backend, world_size):
+    cases = [Case(t, h, torch.bfloat16 if i % 2 else torch.float16, residual=i % 3 != 0, seed=i)
+             for i, (t, h) in enumerate(SEQUENCE * 2)]
+    results = rank_pool(world_size, backend).run(_sequence, backend, cases, backend == "gloo")
+    for i, case in enumerate(cases):
+        check_results(case, world_size, [res[0][i] for res in results])
+    for _, cleared, stats in results:
+        assert all(cleared), cleared
+        assert stats == {"triton.oneshot": len(cases)}
+
+
+def _special_values(rank, world_size, backend, case):
+    device = rank_device(backend, rank)
+    tpfuse.get_communicator(max_tokens=24, hidden=4096)
+    inp = case.inputs(world_size, device)
+    xs = [x.clone() for x in inp["xs"]]
+    for r, x in enumerate(xs):  # -0.0 is the sentinel's bit pattern; subnormals must pass unchanged
+        x[:, ::3] = -0.0
+        x[:, 1::7] = torch.finfo(x.dtype).tiny / (2 + r)
+        x[0, :] = -0.0  # a whole row of -0.0 from every rank
+    y, h = tpfuse.allreduce_add_rmsnorm(xs[rank], inp["residual"], inp["weight"], case.eps)
+    return (y.cpu(), h.cpu()), [x.cpu() for x in xs]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_negative_zero_and_subnormal_inputs(rank_pool, backend, dtype):
+    case = Case(4, 512, dtype, residual=False, seed=3)
+    results = rank_pool(2, backend).run(_special_values, backend, case)
+    inputs = case.inputs(2)
+    inputs["xs"] = results[0][1]
+    check_results(case, 2, [res[0] for res in results], inputs)
+    h = results[0][0][1]
+    assert torch.equal(h[0], torch.zeros_like(h[0]))  # all -0.0 sums to zero, not a hang or NaN
+
+
+def _over_capacity(rank, world_size, backend):
+    device = rank_device(backend, rank)
+    comm = tpfuse.get_communicator(max_tokens=24, hidden=4096)
+    limit = comm.max_token_num(4096, torch.bfloat16)
+    tpfuse.reset_stats()
+    out = []
+    for tokens in (limit, limit + 1):
+        case = Case(tokens, 4096, seed=tokens)
+        inp = case.inputs(world_size, device)
+        y, h = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
+        out.append((case, (y.cpu(), h.cpu())))
+    return limit, out, tpfuse.stats()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_call_over_the_workspace_takes_the_reference_path(rank_pool, backend):
+    results = rank_pool(2, backend).run(_over_capacity, backend)
+    limit = results[0][0]
+    assert limit >= 24
+    for i in range(2):
+        case = results[0][1][i][0]
+        check_results(case, 2, [res[1][i][1] for res in results])
+    assert all(res[2] == {"triton.oneshot": 1, "reference": 1} for res in results)
