@@ -20,6 +20,18 @@ TPFUSE_GRAPH_REPLAYS=${TPFUSE_GRAPH_REPLAYS:-100000} \
   python3 -m pytest tests -q -x -k "nccl or fp8 or graph" -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
+if [ "${1:-}" = variants ]; then
+  # One-shot launch variants (docs/kernel-notes.md): tpfuse and FlashInfer only, a few sizes.
+  for v in "16 0" "16 1" "32 0" "32 1"; do
+    set -- $v
+    echo "== variant: max warps $1, PDL $2 =="
+    TPFUSE_MAX_WARPS=$1 TPFUSE_PDL=$2 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel \
+      --tokens 1,4,16,64,256,512 --providers tpfuse,flashinfer --out "/tmp/variant-w$1-pdl$2" > "$OUT/variant-w$1-pdl$2.log" 2>&1 || status=1
+    grep -A30 "^hidden tokens" "$OUT/variant-w$1-pdl$2.log"
+  done
+  exit $status
+fi
+
 echo "== kernel benchmark =="
 TOKENS=1,2,4,8,16,32,64,128,256,512
 [ "${1:-}" = quick ] && TOKENS=1,8,64,512

@@ -21,7 +21,7 @@ EPS = 1e-6
 
 
 def _norm_fn():
-    @torch.compile(dynamic=False)
+    @torch.compile(dynamic=True)
     def add_rmsnorm(x, residual, weight):
         h = x.float() + residual.float()
         y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()

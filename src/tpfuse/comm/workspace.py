@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import uuid
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -73,8 +74,10 @@ def allocate_cuda(group: dist.ProcessGroup, region_elems: int, device: torch.dev
     world = dist.get_world_size(group)
     buf = symm_mem.empty(_buffer_elems(region_elems, world), dtype=torch.int16, device=device)
     buf.fill_(SENTINEL)
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed on torch < 2.12, harmless after
-        symm_mem.enable_symm_mem_for_group(group.group_name)
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required by older torch, deprecated later
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group.group_name)
     handle = symm_mem.rendezvous(buf, group.group_name)
     peer_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
     state = torch.zeros(STATE_LEN, dtype=torch.int32, device=device)

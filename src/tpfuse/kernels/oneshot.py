@@ -19,12 +19,19 @@ never wait on programs of the same launch.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tpfuse.comm.workspace import SENTINEL, STATE_ERROR, STATE_LEN, Workspace
 from tpfuse.kernels.fp8 import fp32_to_e4m3fn_bits
+
+# Globals a jitted function reads must be constexpr objects.
+_SENTINEL = tl.constexpr(SENTINEL)
+_STATE_ERROR = tl.constexpr(STATE_ERROR)
 
 # Polls of one peer row before a kernel gives up, flags STATE_ERROR and moves on (never hangs).
 DEFAULT_MAX_SPINS = 1 << 30
@@ -36,9 +43,14 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     peer_ptrs_ptr, state_ptr,
     n_tokens, hidden, region_elems, eps, max_spins,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    SENT: tl.constexpr = SENTINEL
+    SENT: tl.constexpr = _SENTINEL
+    if USE_PDL:
+        # Launched early (programmatic dependent launch): wait until the previous kernel's writes,
+        # our state vector and x included, are visible; then let the next kernel launch early too.
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     n_programs = tl.num_programs(0)
     call = tl.load(state_ptr + 0)
@@ -75,7 +87,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
                 spins += 1
         acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
     if spins >= max_spins:
-        tl.atomic_xchg(state_ptr + STATE_ERROR, 1)
+        tl.atomic_xchg(state_ptr + _STATE_ERROR, 1)
 
     h = acc
     if HAS_RESIDUAL:
@@ -110,11 +122,19 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         tl.store(state_ptr + 1, 0)
 
 
-def launch_config(hidden: int) -> tuple[int, int]:
-    """(BLOCK_H, num_warps) for a row of ``hidden``: 8 elements (16 bytes) a thread, 1-16 warps."""
+def launch_config(hidden: int, device: torch.device) -> tuple[int, int, bool]:
+    """(BLOCK_H, num_warps, use_pdl) for rows of ``hidden`` on ``device``.
+
+    8 elements (16 bytes) a thread up to ``TPFUSE_MAX_WARPS`` warps (default 16); programmatic
+    dependent launch on Hopper and newer unless ``TPFUSE_PDL=0``. The environment knobs exist to
+    measure variants (docs/kernel-notes.md).
+    """
     block_h = triton.next_power_of_2(hidden)
-    num_warps = max(1, min(16, block_h // 256))
-    return block_h, num_warps
+    max_warps = int(os.environ.get("TPFUSE_MAX_WARPS", "16"))
+    num_warps = max(1, min(max_warps, block_h // 256))
+    use_pdl = (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+               and os.environ.get("TPFUSE_PDL", "1") != "0")
+    return block_h, num_warps, use_pdl
 
 
 def oneshot_allreduce_add_rmsnorm(
@@ -133,7 +153,7 @@ def oneshot_allreduce_add_rmsnorm(
     """Launch the one-shot kernel: writes ``y`` and ``h``. Inputs are checked by the caller."""
     n_tokens, hidden = x.shape
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
-    block_h, num_warps = launch_config(hidden)
+    block_h, num_warps, use_pdl = launch_config(hidden, x.device)
     _oneshot_allreduce_add_rmsnorm_kernel[(n_tokens,)](
         x, residual if residual is not None else x, weight,
         y.view(torch.uint8) if quant_scale is not None else y, h,
@@ -141,6 +161,6 @@ def oneshot_allreduce_add_rmsnorm(
         workspace.peer_ptrs, workspace.state,
         n_tokens, hidden, workspace.region_elems, eps, max_spins,
         RANK=rank, WORLD=world_size, BLOCK_H=block_h,
-        HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None,
-        num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None, USE_PDL=use_pdl,
+        num_warps=num_warps, launch_pdl=use_pdl,
     )
