@@ -17,6 +17,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_HIDDEN = 8192
+# Programs per kernel launch on the CPU interpreter: few, so tests cover programs with several rows.
+CPU_MAX_PROGRAMS = 4
 
 _registry: dict[str, Communicator] = {}
 _registry_lock = threading.RLock()
@@ -65,6 +67,7 @@ class Communicator:
         self.world_size = dist.get_world_size(group)
         self.device = group_device(group)
         self.workspace: ws.Workspace | None = None
+        self.max_programs = 0
         self._destroyed = False
         self._allocate(max_tokens * hidden)
 
@@ -78,8 +81,14 @@ class Communicator:
                     "graph capture; call tpfuse.get_communicator(...) before capturing"
                 )
             self.workspace = ws.allocate_cuda(self.group, region_elems, self.device)
+            programs = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
             self.workspace = ws.allocate_shared_files(self.group, region_elems)
+            programs = CPU_MAX_PROGRAMS
+        # Kernel grids must match across ranks: agree on the smallest count once, here.
+        agreed = torch.tensor([programs], dtype=torch.int64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        self.max_programs = int(agreed.item())
         log.info("tpfuse: group %s rank %d: workspace of %d bytes per rank region",
                  self.group_name, self.rank, self.workspace.region_bytes)
 

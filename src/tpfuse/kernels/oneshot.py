@@ -3,10 +3,11 @@
 Protocol (no barrier round trip, graph-safe; see docs/kernel-notes.md):
 
     call c uses slot s = c % 3 of every rank's buffer; rank r's rows go to region r of that slot
-    push:   every program stores its row of x (with -0.0 made +0.0) into region RANK of slot s of
+    rows:   dealt round-robin to min(T, max_programs) programs, the same on every rank
+    push:   every program stores its rows of x (with -0.0 made +0.0) into region RANK of slot s of
             every peer
     wait:   it polls region r of its own slot s (volatile loads) until no word holds the sentinel
-            (-0.0), for each peer r; its own row it takes from registers
+            (-0.0), for each peer r; its own rows it reads from x
     reduce: fp32 sum in rank order, + residual, RMSNorm, * weight, optional fp8
     clear:  the programs together reset slot (c - 1) % 3 to the sentinel, over the extent the
             previous call wrote (kept on the device, never recomputed from this call's shape)
@@ -14,7 +15,7 @@ Protocol (no barrier round trip, graph-safe; see docs/kernel-notes.md):
 
 A peer can be at most one call ahead (it needs our data to finish each call), so it only ever
 writes slot (c + 1) % 3, which the call before this one cleared: three slots suffice. Programs
-never wait on programs of the same launch.
+never wait on programs of the same launch, and the grid never exceeds what is resident at once.
 """
 
 from __future__ import annotations
@@ -51,55 +52,64 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         # our state vector and x included, are visible; then let the next kernel launch early too.
         gdc_wait()
         gdc_launch_dependents()
-    row = tl.program_id(0)
+    pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     call = tl.load(state_ptr + 0)
     slot = call % 3
     slot_base = slot.to(tl.int64) * WORLD * region_elems
-
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
-    offs = row.to(tl.int64) * hidden + cols
-    x_bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
-    x_bits = tl.where(x_bits == SENT, 0, x_bits)  # an input -0.0 would read as "not arrived"
-
-    for r in tl.static_range(WORLD):
-        if r != RANK:
-            peer = tl.load(peer_ptrs_ptr + r).to(tl.pointer_type(tl.int16))
-            tl.store(peer + slot_base + RANK * region_elems + offs, x_bits, mask=mask)
-
-    # Everything that does not depend on peers is loaded before the wait.
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     own = tl.load(peer_ptrs_ptr + RANK).to(tl.pointer_type(tl.int16))
 
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    # Rows are dealt to programs round-robin, identically on every rank (same grid everywhere), so
+    # a program only ever waits for rows that the same program of a peer pushes. Push all our rows
+    # first: everything is in flight before the first wait.
+    row = pid
+    while row < n_tokens:
+        offs = row.to(tl.int64) * hidden + cols
+        x_bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
+        x_bits = tl.where(x_bits == SENT, 0, x_bits)  # an input -0.0 would read as "not arrived"
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                peer = tl.load(peer_ptrs_ptr + r).to(tl.pointer_type(tl.int16))
+                tl.store(peer + slot_base + RANK * region_elems + offs, x_bits, mask=mask)
+        row += n_programs
+
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     spins = 0
-    for r in tl.static_range(WORLD):
-        if r == RANK:
-            bits = x_bits
-        else:
-            src = own + slot_base + r * region_elems + offs
-            bits = tl.load(src, mask=mask, other=0, volatile=True)
-            while (tl.max((bits == SENT).to(tl.int32), axis=0) > 0) & (spins < max_spins):
+    row = pid
+    while row < n_tokens:
+        offs = row.to(tl.int64) * hidden + cols
+        # Everything that does not depend on peers is loaded before the wait.
+        if HAS_RESIDUAL:
+            res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x_bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
+        x_bits = tl.where(x_bits == SENT, 0, x_bits)
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            if r == RANK:
+                bits = x_bits
+            else:
+                src = own + slot_base + r * region_elems + offs
                 bits = tl.load(src, mask=mask, other=0, volatile=True)
-                spins += 1
-        acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+                while (tl.max((bits == SENT).to(tl.int32), axis=0) > 0) & (spins < max_spins):
+                    bits = tl.load(src, mask=mask, other=0, volatile=True)
+                    spins += 1
+            acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+        h = acc
+        if HAS_RESIDUAL:
+            h += res
+        tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
+        y = h * rstd * w
+        if HAS_QUANT:  # y_ptr is the fp8 output viewed as uint8
+            y = tl.clamp(y / tl.load(scale_ptr), -448.0, 448.0)
+            tl.store(y_ptr + offs, fp32_to_e4m3fn_bits(y), mask=mask)
+        else:
+            tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        row += n_programs
     if spins >= max_spins:
         tl.atomic_xchg(state_ptr + _STATE_ERROR, 1)
-
-    h = acc
-    if HAS_RESIDUAL:
-        h += res
-    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
-    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    y = h * rstd * w
-    if HAS_QUANT:  # y_ptr is the fp8 output viewed as uint8
-        y = tl.clamp(y / tl.load(scale_ptr), -448.0, 448.0)
-        tl.store(y_ptr + offs, fp32_to_e4m3fn_bits(y), mask=mask)
-    else:
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     # Clear the previous call's slot, split over this launch's programs.
     prev_slot = (call + 2) % 3
@@ -107,8 +117,8 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     prev_base = prev_slot.to(tl.int64) * WORLD * region_elems
     sentinel = tl.full([BLOCK_H], SENT, tl.int16)
     for r in tl.static_range(WORLD):
-        if r != RANK:  # nobody writes our own region: we keep our row in registers
-            start = row * BLOCK_H
+        if r != RANK:  # nobody writes our own region: we keep our rows in x
+            start = pid * BLOCK_H
             while start < prev_extent:
                 idx = start + cols
                 tl.store(own + prev_base + r * region_elems + idx, sentinel, mask=idx < prev_extent)
@@ -147,14 +157,19 @@ def oneshot_allreduce_add_rmsnorm(
     workspace: Workspace,
     rank: int,
     world_size: int,
+    max_programs: int,
     quant_scale: torch.Tensor | None = None,
     max_spins: int = DEFAULT_MAX_SPINS,
 ) -> None:
-    """Launch the one-shot kernel: writes ``y`` and ``h``. Inputs are checked by the caller."""
+    """Launch the one-shot kernel: writes ``y`` and ``h``. Inputs are checked by the caller.
+
+    ``max_programs`` must be the same on every rank and small enough that all programs are resident
+    at once (a program waits for the same program of its peers).
+    """
     n_tokens, hidden = x.shape
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
     block_h, num_warps, use_pdl = launch_config(hidden, x.device)
-    _oneshot_allreduce_add_rmsnorm_kernel[(n_tokens,)](
+    _oneshot_allreduce_add_rmsnorm_kernel[(min(n_tokens, max_programs),)](
         x, residual if residual is not None else x, weight,
         y.view(torch.uint8) if quant_scale is not None else y, h,
         quant_scale if quant_scale is not None else weight,

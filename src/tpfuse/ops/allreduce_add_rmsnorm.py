@@ -100,7 +100,7 @@ def _run(x, residual, weight, eps, group_name, quant_scale, y, h) -> None:
         from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
 
         oneshot_allreduce_add_rmsnorm(x, residual, weight, eps, y, h, comm.workspace, comm.rank,
-                                      comm.world_size, quant_scale)
+                                      comm.world_size, comm.max_programs, quant_scale)
         _stats.record("triton.oneshot")
         if x.device.type == "cpu" and comm.workspace.state[STATE_ERROR].item():
             raise RuntimeError(f"tpfuse: group {group_name!r}: a peer never delivered its rows "
