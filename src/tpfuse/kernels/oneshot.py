@@ -39,28 +39,12 @@ DEFAULT_MAX_SPINS = 1 << 30
 
 
 @triton.jit
-def _load_row_bits(x_ptr, offs, mask):
-    """A row of x as 16-bit words, -0.0 made +0.0: an input -0.0 would read as "not arrived"."""
-    bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
-    return tl.where(bits == _SENTINEL, 0, bits)
-
-
-@triton.jit
-def _push_row(bits, peer_ptrs_ptr, dst_offs, mask, RANK: tl.constexpr, WORLD: tl.constexpr):
-    """Store a row into every peer's buffer (not our own: we keep our rows in x)."""
-    for r in tl.static_range(WORLD):
-        if r != RANK:
-            peer = tl.load(peer_ptrs_ptr + r).to(tl.pointer_type(tl.int16))
-            tl.store(peer + dst_offs, bits, mask=mask)
-
-
-@triton.jit
 def _oneshot_allreduce_add_rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, scale_ptr,
     peer_ptrs_ptr, state_ptr,
     n_tokens, hidden, region_elems, eps, max_spins,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr, ONE_ROW: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     SENT: tl.constexpr = _SENTINEL
     if USE_PDL:
@@ -78,27 +62,29 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     own = tl.load(peer_ptrs_ptr + RANK).to(tl.pointer_type(tl.int16))
 
     # Rows are dealt to programs round-robin, identically on every rank (same grid everywhere), so
-    # a program only ever waits for rows that the same program of a peer pushes. With several rows
-    # a program, push them all first: everything is in flight before the first wait.
-    if not ONE_ROW:
-        row = pid
-        while row < n_tokens:
-            offs = row.to(tl.int64) * hidden + cols
-            _push_row(_load_row_bits(x_ptr, offs, mask), peer_ptrs_ptr, slot_base + RANK * region_elems + offs,
-                      mask, RANK, WORLD)
-            row += n_programs
+    # a program only ever waits for rows that the same program of a peer pushes. Push all our rows
+    # first: everything is in flight before the first wait.
+    row = pid
+    while row < n_tokens:
+        offs = row.to(tl.int64) * hidden + cols
+        x_bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
+        x_bits = tl.where(x_bits == SENT, 0, x_bits)  # an input -0.0 would read as "not arrived"
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                peer = tl.load(peer_ptrs_ptr + r).to(tl.pointer_type(tl.int16))
+                tl.store(peer + slot_base + RANK * region_elems + offs, x_bits, mask=mask)
+        row += n_programs
 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     spins = 0
     row = pid
     while row < n_tokens:
         offs = row.to(tl.int64) * hidden + cols
-        x_bits = _load_row_bits(x_ptr, offs, mask)
-        if ONE_ROW:  # one row a program: push it now and keep it in registers
-            _push_row(x_bits, peer_ptrs_ptr, slot_base + RANK * region_elems + offs, mask, RANK, WORLD)
         # Everything that does not depend on peers is loaded before the wait.
         if HAS_RESIDUAL:
             res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x_bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
+        x_bits = tl.where(x_bits == SENT, 0, x_bits)
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for r in tl.static_range(WORLD):
             if r == RANK:
@@ -191,6 +177,5 @@ def oneshot_allreduce_add_rmsnorm(
         n_tokens, hidden, workspace.region_elems, eps, max_spins,
         RANK=rank, WORLD=world_size, BLOCK_H=block_h,
         HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None, USE_PDL=use_pdl,
-        ONE_ROW=n_tokens <= max_programs,
         num_warps=num_warps, launch_pdl=use_pdl,
     )
