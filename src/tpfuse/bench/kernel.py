@@ -19,6 +19,14 @@ from tpfuse.bench.timing import graph_replay_us
 
 EPS = 1e-6
 
+# One-shot launch variants that can be timed beside the default as providers "tpfuse:<name>".
+VARIANTS = {
+    "nopdl": dict(pdl=False),
+    "clear_first": dict(clear_first=True),
+    "relaxed": dict(relaxed_arrive=True),
+    "clear_first+relaxed": dict(clear_first=True, relaxed_arrive=True),
+}
+
 
 def _norm_fn():
     @torch.compile(dynamic=True)
@@ -52,11 +60,14 @@ def bench_rank(hiddens: list[int], tokens: list[int], providers: list[str]) -> l
     import tpfuse
     from tpfuse.kernels.reference import fused_reference_float64
 
+    from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
+
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     group_name = dist.group.WORLD.group_name
     max_t, max_h = max(tokens), max(hiddens)
-    tpfuse.get_communicator(max_tokens=max_t, hidden=max_h)
+    comm = tpfuse.get_communicator(max_tokens=max_t, hidden=max_h)
+    variants = {p: OneShotVariant(**VARIANTS[p.split(":", 1)[1]]) for p in providers if p.startswith("tpfuse:")}
     fi = _load_flashinfer() if "flashinfer" in providers else None
     if fi is not None:
         _, fi_workspace, _ = fi.trtllm_create_ipc_workspace_for_all_reduce_fusion(
@@ -107,6 +118,12 @@ def bench_rank(hiddens: list[int], tokens: list[int], providers: list[str]) -> l
             torch.cuda.synchronize()
             row["tpfuse_err"] = _rel_err(y, y_ref)
             row["tpfuse"] = graph_replay_us(ours)
+            for name, variant in variants.items():
+                y.fill_(float("nan"))
+                row[name] = graph_replay_us(lambda: oneshot_allreduce_add_rmsnorm(
+                    x, residual, weight, EPS, y, h, comm.workspace, comm.rank, comm.world_size,
+                    comm.max_programs, variant=variant))
+                row[f"{name}_err"] = _rel_err(y, y_ref)  # what the replays left in y
             if "nccl" in providers:
                 row["nccl+norm"] = graph_replay_us(nccl)
             if "symm_mem" in providers:
@@ -136,11 +153,14 @@ def write_outputs(rows: list[dict], out_dir: str) -> None:
         writer = csv.DictWriter(fh, fieldnames=keys)
         writer.writeheader()
         writer.writerows(rows)
-    timed = [k for k in keys if k in ("tpfuse", "nccl+norm", "symm_oneshot+norm", "fi_oneshot", "fi_twoshot")]
-    print(f"\n{'hidden':>6} {'tokens':>6} " + " ".join(f"{k:>17}" for k in timed) + f" {'fi_oneshot/tpfuse':>17}")
+    timed = [k for k in keys if k in ("tpfuse", "nccl+norm", "symm_oneshot+norm", "fi_oneshot", "fi_twoshot")
+             or k.startswith("tpfuse:")]
+    width = max(len(k) for k in timed + ["fi_oneshot/tpfuse"]) + 1
+    print(f"\n{'hidden':>6} {'tokens':>6} " + " ".join(f"{k:>{width}}" for k in timed)
+          + f" {'fi_oneshot/tpfuse':>{width}}")
     for row in rows:
-        cells = " ".join(f"{row[k]:>17.2f}" if k in row else f"{'-':>17}" for k in timed)
-        ratio = f"{row['fi_oneshot/tpfuse']:>17.3f}" if "fi_oneshot/tpfuse" in row else f"{'-':>17}"
+        cells = " ".join(f"{row[k]:>{width}.2f}" if k in row else f"{'-':>{width}}" for k in timed)
+        ratio = f"{row['fi_oneshot/tpfuse']:>{width}.3f}" if "fi_oneshot/tpfuse" in row else f"{'-':>{width}}"
         print(f"{row['hidden']:>6} {row['tokens']:>6} {cells} {ratio}")
     try:
         import matplotlib

@@ -20,7 +20,7 @@ never wait on programs of the same launch, and the grid never exceeds what is re
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -39,14 +39,44 @@ DEFAULT_MAX_SPINS = 1 << 30
 
 
 @triton.jit
+def _push_rows(x_ptr, peer_ptrs_ptr, dst_base, hidden, first_row, n_tokens, step, cols, mask,
+               RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Store rows first_row, first_row + step, ... of x into every peer's buffer (not our own)."""
+    row = first_row
+    while row < n_tokens:
+        offs = row.to(tl.int64) * hidden + cols
+        bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
+        bits = tl.where(bits == _SENTINEL, 0, bits)  # an input -0.0 would read as "not arrived"
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                peer = tl.load(peer_ptrs_ptr + r).to(tl.pointer_type(tl.int16))
+                tl.store(peer + dst_base + offs, bits, mask=mask)
+        row += step
+
+
+@triton.jit
+def _clear_slot(own, slot_base, region_elems, extent, first, step, cols,
+                RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Reset the peers' regions of a slot to the sentinel over ``extent`` words, strided by program."""
+    sentinel = tl.full([BLOCK_H], _SENTINEL, tl.int16)
+    for r in tl.static_range(WORLD):
+        if r != RANK:  # nobody writes our own region: we keep our rows in x
+            start = first * BLOCK_H
+            while start < extent:
+                idx = start + cols
+                tl.store(own + slot_base + r * region_elems + idx, sentinel, mask=idx < extent)
+                start += step * BLOCK_H
+
+
+@triton.jit
 def _oneshot_allreduce_add_rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, scale_ptr,
     peer_ptrs_ptr, state_ptr,
     n_tokens, hidden, region_elems, eps, max_spins,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr,
+    CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr,
 ):
-    SENT: tl.constexpr = _SENTINEL
     if USE_PDL:
         # Launched early (programmatic dependent launch): wait until the previous kernel's writes,
         # our state vector and x included, are visible; then let the next kernel launch early too.
@@ -57,6 +87,9 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     call = tl.load(state_ptr + 0)
     slot = call % 3
     slot_base = slot.to(tl.int64) * WORLD * region_elems
+    prev_slot = (call + 2) % 3
+    prev_extent = tl.load(state_ptr + 2 + prev_slot)
+    prev_base = prev_slot.to(tl.int64) * WORLD * region_elems
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     own = tl.load(peer_ptrs_ptr + RANK).to(tl.pointer_type(tl.int16))
@@ -64,16 +97,10 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     # Rows are dealt to programs round-robin, identically on every rank (same grid everywhere), so
     # a program only ever waits for rows that the same program of a peer pushes. Push all our rows
     # first: everything is in flight before the first wait.
-    row = pid
-    while row < n_tokens:
-        offs = row.to(tl.int64) * hidden + cols
-        x_bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
-        x_bits = tl.where(x_bits == SENT, 0, x_bits)  # an input -0.0 would read as "not arrived"
-        for r in tl.static_range(WORLD):
-            if r != RANK:
-                peer = tl.load(peer_ptrs_ptr + r).to(tl.pointer_type(tl.int16))
-                tl.store(peer + slot_base + RANK * region_elems + offs, x_bits, mask=mask)
-        row += n_programs
+    _push_rows(x_ptr, peer_ptrs_ptr, slot_base + RANK * region_elems, hidden, pid, n_tokens, n_programs,
+               cols, mask, RANK, WORLD)
+    if CLEAR_FIRST:  # the previous slot is ours alone until our next call: clear it while data flies
+        _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     spins = 0
@@ -84,7 +111,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         if HAS_RESIDUAL:
             res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x_bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
-        x_bits = tl.where(x_bits == SENT, 0, x_bits)
+        x_bits = tl.where(x_bits == _SENTINEL, 0, x_bits)
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for r in tl.static_range(WORLD):
             if r == RANK:
@@ -92,7 +119,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
             else:
                 src = own + slot_base + r * region_elems + offs
                 bits = tl.load(src, mask=mask, other=0, volatile=True)
-                while (tl.max((bits == SENT).to(tl.int32), axis=0) > 0) & (spins < max_spins):
+                while (tl.max((bits == _SENTINEL).to(tl.int32), axis=0) > 0) & (spins < max_spins):
                     bits = tl.load(src, mask=mask, other=0, volatile=True)
                     spins += 1
             acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
@@ -110,40 +137,40 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         row += n_programs
     if spins >= max_spins:
         tl.atomic_xchg(state_ptr + _STATE_ERROR, 1)
+    if not CLEAR_FIRST:
+        _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
-    # Clear the previous call's slot, split over this launch's programs.
-    prev_slot = (call + 2) % 3
-    prev_extent = tl.load(state_ptr + 2 + prev_slot)
-    prev_base = prev_slot.to(tl.int64) * WORLD * region_elems
-    sentinel = tl.full([BLOCK_H], SENT, tl.int16)
-    for r in tl.static_range(WORLD):
-        if r != RANK:  # nobody writes our own region: we keep our rows in x
-            start = pid * BLOCK_H
-            while start < prev_extent:
-                idx = start + cols
-                tl.store(own + prev_base + r * region_elems + idx, sentinel, mask=idx < prev_extent)
-                start += n_programs * BLOCK_H
-
-    # Every program has read the state by the time it arrives; the last one advances it.
-    arrived = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel")
+    # Every program has read the state by the time it arrives (its loads fed addresses it has
+    # already used), so ordering of the arrival itself is not needed; the last one advances it.
+    if RELAXED_ARRIVE:
+        arrived = tl.atomic_add(state_ptr + 1, 1, sem="relaxed")
+    else:
+        arrived = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel")
     if arrived == n_programs - 1:
         tl.store(state_ptr + 2 + slot, n_tokens * hidden)
         tl.store(state_ptr + 0, call + 1)
         tl.store(state_ptr + 1, 0)
 
 
-def launch_config(hidden: int, device: torch.device) -> tuple[int, int, bool]:
-    """(BLOCK_H, num_warps, use_pdl) for rows of ``hidden`` on ``device``.
+@dataclass(frozen=True)
+class OneShotVariant:
+    """Launch choices of the one-shot kernel, measured side by side in docs/kernel-notes.md."""
 
-    8 elements (16 bytes) a thread up to ``TPFUSE_MAX_WARPS`` warps (default 16); programmatic
-    dependent launch on Hopper and newer unless ``TPFUSE_PDL=0``. The environment knobs exist to
-    measure variants (docs/kernel-notes.md).
-    """
+    pdl: bool = True  # programmatic dependent launch (Hopper and newer)
+    clear_first: bool = False  # clear the previous slot before waiting instead of after
+    relaxed_arrive: bool = False  # relaxed instead of acq_rel atomic for the arrival count
+    max_warps: int = 16
+
+
+DEFAULT_VARIANT = OneShotVariant()
+
+
+def launch_config(hidden: int, device: torch.device, variant: OneShotVariant = DEFAULT_VARIANT
+                  ) -> tuple[int, int, bool]:
+    """(BLOCK_H, num_warps, use_pdl) for rows of ``hidden`` on ``device``: 8 elements a thread."""
     block_h = triton.next_power_of_2(hidden)
-    max_warps = int(os.environ.get("TPFUSE_MAX_WARPS", "16"))
-    num_warps = max(1, min(max_warps, block_h // 256))
-    use_pdl = (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-               and os.environ.get("TPFUSE_PDL", "1") != "0")
+    num_warps = max(1, min(variant.max_warps, block_h // 256))
+    use_pdl = variant.pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     return block_h, num_warps, use_pdl
 
 
@@ -160,6 +187,7 @@ def oneshot_allreduce_add_rmsnorm(
     max_programs: int,
     quant_scale: torch.Tensor | None = None,
     max_spins: int = DEFAULT_MAX_SPINS,
+    variant: OneShotVariant = DEFAULT_VARIANT,
 ) -> None:
     """Launch the one-shot kernel: writes ``y`` and ``h``. Inputs are checked by the caller.
 
@@ -168,7 +196,7 @@ def oneshot_allreduce_add_rmsnorm(
     """
     n_tokens, hidden = x.shape
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
-    block_h, num_warps, use_pdl = launch_config(hidden, x.device)
+    block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant)
     _oneshot_allreduce_add_rmsnorm_kernel[(min(n_tokens, max_programs),)](
         x, residual if residual is not None else x, weight,
         y.view(torch.uint8) if quant_scale is not None else y, h,
@@ -177,5 +205,6 @@ def oneshot_allreduce_add_rmsnorm(
         n_tokens, hidden, workspace.region_elems, eps, max_spins,
         RANK=rank, WORLD=world_size, BLOCK_H=block_h,
         HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None, USE_PDL=use_pdl,
+        CLEAR_FIRST=variant.clear_first, RELAXED_ARRIVE=variant.relaxed_arrive,
         num_warps=num_warps, launch_pdl=use_pdl,
     )
