@@ -22,9 +22,10 @@ EPS = 1e-6
 # One-shot launch variants that can be timed beside the default as providers "tpfuse:<name>".
 VARIANTS = {
     "nopdl": dict(pdl=False),
-    "clear_first": dict(clear_first=True),
-    "relaxed": dict(relaxed_arrive=True),
-    "clear_first+relaxed": dict(clear_first=True, relaxed_arrive=True),
+    "clear_last": dict(clear_first=False),
+    "acq_rel": dict(relaxed_arrive=False),
+    "half_programs": dict(programs_divisor=2),
+    "quarter_programs": dict(programs_divisor=4),
 }
 
 

@@ -157,9 +157,10 @@ class OneShotVariant:
     """Launch choices of the one-shot kernel, measured side by side in docs/kernel-notes.md."""
 
     pdl: bool = True  # programmatic dependent launch (Hopper and newer)
-    clear_first: bool = False  # clear the previous slot before waiting instead of after
-    relaxed_arrive: bool = False  # relaxed instead of acq_rel atomic for the arrival count
+    clear_first: bool = True  # clear the previous slot before waiting instead of after
+    relaxed_arrive: bool = True  # relaxed instead of acq_rel atomic for the arrival count
     max_warps: int = 16
+    programs_divisor: int = 1  # launch at most max_programs // this many programs
 
 
 DEFAULT_VARIANT = OneShotVariant()
@@ -197,7 +198,8 @@ def oneshot_allreduce_add_rmsnorm(
     n_tokens, hidden = x.shape
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
     block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant)
-    _oneshot_allreduce_add_rmsnorm_kernel[(min(n_tokens, max_programs),)](
+    n_programs = min(n_tokens, max(1, max_programs // variant.programs_divisor))
+    _oneshot_allreduce_add_rmsnorm_kernel[(n_programs,)](
         x, residual if residual is not None else x, weight,
         y.view(torch.uint8) if quant_scale is not None else y, h,
         quant_scale if quant_scale is not None else weight,
