@@ -155,7 +155,10 @@ def write_outputs(rows: list[dict], out_dir: str) -> None:
         writer.writeheader()
         writer.writerows(rows)
     timed = [k for k in keys if k in ("tpfuse", "nccl+norm", "symm_oneshot+norm", "fi_oneshot", "fi_twoshot")
-             or k.startswith("tpfuse:")]
+             or (k.startswith("tpfuse:") and not k.endswith("_err"))]
+    errs = {k: max(row[k] for row in rows if k in row) for k in keys if k.endswith("_err")}
+    print("largest relative error against float64: "
+          + ", ".join(f"{k[:-4]} {v:.1e}" for k, v in errs.items()))
     width = max(len(k) for k in timed + ["fi_oneshot/tpfuse"]) + 1
     print(f"\n{'hidden':>6} {'tokens':>6} " + " ".join(f"{k:>{width}}" for k in timed)
           + f" {'fi_oneshot/tpfuse':>{width}}")
