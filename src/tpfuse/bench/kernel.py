@@ -24,8 +24,8 @@ VARIANTS = {
     "nopdl": dict(pdl=False),
     "clear_last": dict(clear_first=False),
     "acq_rel": dict(relaxed_arrive=False),
-    "half_programs": dict(programs_divisor=2),
-    "quarter_programs": dict(programs_divisor=4),
+    "backoff100": dict(poll_backoff_ns=100),
+    "backoff500": dict(poll_backoff_ns=500),
 }
 
 

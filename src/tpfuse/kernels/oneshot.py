@@ -75,7 +75,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     n_tokens, hidden, region_elems, eps, max_spins,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr,
-    CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr,
+    CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr, POLL_BACKOFF_NS: tl.constexpr,
 ):
     if USE_PDL:
         # Launched early (programmatic dependent launch): wait until the previous kernel's writes,
@@ -120,6 +120,9 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
                 src = own + slot_base + r * region_elems + offs
                 bits = tl.load(src, mask=mask, other=0, volatile=True)
                 while (tl.max((bits == _SENTINEL).to(tl.int32), axis=0) > 0) & (spins < max_spins):
+                    if POLL_BACKOFF_NS > 0:
+                        tl.inline_asm_elementwise("nanosleep.u32 $1; // $0", "=r,r", [tl.full([], POLL_BACKOFF_NS, tl.int32)],
+                                                  dtype=tl.int32, is_pure=False, pack=1)
                     bits = tl.load(src, mask=mask, other=0, volatile=True)
                     spins += 1
             acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
@@ -160,7 +163,7 @@ class OneShotVariant:
     clear_first: bool = True  # clear the previous slot before waiting instead of after
     relaxed_arrive: bool = True  # relaxed instead of acq_rel atomic for the arrival count
     max_warps: int = 16
-    programs_divisor: int = 1  # launch at most max_programs // this many programs
+    poll_backoff_ns: int = 0  # sleep between polls of a row that has not fully arrived (CUDA only)
 
 
 DEFAULT_VARIANT = OneShotVariant()
@@ -173,6 +176,20 @@ def launch_config(hidden: int, device: torch.device, variant: OneShotVariant = D
     num_warps = max(1, min(variant.max_warps, block_h // 256))
     use_pdl = variant.pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     return block_h, num_warps, use_pdl
+
+
+# From this many tokens on, rows of at least LARGE_ROW_BYTES go at least two to a program: one large
+# row a program on ~100+ SMs that poll right after pushing ran 1.3-2.7x slower on 2 x H200
+# (docs/kernel-notes.md, run 7); two rows, pushed before the first poll, did not.
+MANY_TOKENS = 64
+LARGE_ROW_BYTES = 12 << 10
+
+
+def launch_programs(n_tokens: int, hidden: int, max_programs: int) -> int:
+    """Programs of a launch: one a row, at most ``max_programs``, two rows a program for many large rows."""
+    if n_tokens > MANY_TOKENS and hidden * 2 >= LARGE_ROW_BYTES:
+        return min(max_programs, (n_tokens + 1) // 2)
+    return min(n_tokens, max_programs)
 
 
 def oneshot_allreduce_add_rmsnorm(
@@ -198,7 +215,7 @@ def oneshot_allreduce_add_rmsnorm(
     n_tokens, hidden = x.shape
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
     block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant)
-    n_programs = min(n_tokens, max(1, max_programs // variant.programs_divisor))
+    n_programs = launch_programs(n_tokens, hidden, max_programs)
     _oneshot_allreduce_add_rmsnorm_kernel[(n_programs,)](
         x, residual if residual is not None else x, weight,
         y.view(torch.uint8) if quant_scale is not None else y, h,
@@ -208,5 +225,6 @@ def oneshot_allreduce_add_rmsnorm(
         RANK=rank, WORLD=world_size, BLOCK_H=block_h,
         HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None, USE_PDL=use_pdl,
         CLEAR_FIRST=variant.clear_first, RELAXED_ARRIVE=variant.relaxed_arrive,
+        POLL_BACKOFF_NS=variant.poll_backoff_ns if x.device.type == "cuda" else 0,
         num_warps=num_warps, launch_pdl=use_pdl,
     )
