@@ -23,7 +23,7 @@ TPFUSE_GRAPH_REPLAYS=${TPFUSE_GRAPH_REPLAYS:-100000} \
 if [ "${1:-}" = variants ]; then
   # One-shot launch variants (docs/kernel-notes.md) beside the default and FlashInfer, one process.
   torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --tokens 1,4,16,64,96,128,192,256,512 \
-    --providers tpfuse,tpfuse:backoff100,tpfuse:backoff500,flashinfer \
+    --providers tpfuse,tpfuse:nopdl,tpfuse:clear_last,tpfuse:acq_rel,flashinfer \
     --out "$OUT" > "$OUT/variants.log" 2>&1 || status=1
   grep -A30 "^hidden tokens" "$OUT/variants.log"
   exit $status

@@ -24,8 +24,6 @@ VARIANTS = {
     "nopdl": dict(pdl=False),
     "clear_last": dict(clear_first=False),
     "acq_rel": dict(relaxed_arrive=False),
-    "backoff100": dict(poll_backoff_ns=100),
-    "backoff500": dict(poll_backoff_ns=500),
 }
 
 

@@ -75,7 +75,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     n_tokens, hidden, region_elems, eps, max_spins,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr,
-    CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr, POLL_BACKOFF_NS: tl.constexpr,
+    CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr,
 ):
     if USE_PDL:
         # Launched early (programmatic dependent launch): wait until the previous kernel's writes,
@@ -120,9 +120,6 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
                 src = own + slot_base + r * region_elems + offs
                 bits = tl.load(src, mask=mask, other=0, volatile=True)
                 while (tl.max((bits == _SENTINEL).to(tl.int32), axis=0) > 0) & (spins < max_spins):
-                    if POLL_BACKOFF_NS > 0:
-                        tl.inline_asm_elementwise("nanosleep.u32 $1; // $0", "=r,r", [tl.full([], POLL_BACKOFF_NS, tl.int32)],
-                                                  dtype=tl.int32, is_pure=False, pack=1)
                     bits = tl.load(src, mask=mask, other=0, volatile=True)
                     spins += 1
             acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
@@ -163,7 +160,6 @@ class OneShotVariant:
     clear_first: bool = True  # clear the previous slot before waiting instead of after
     relaxed_arrive: bool = True  # relaxed instead of acq_rel atomic for the arrival count
     max_warps: int = 16
-    poll_backoff_ns: int = 0  # sleep between polls of a row that has not fully arrived (CUDA only)
 
 
 DEFAULT_VARIANT = OneShotVariant()
@@ -225,6 +221,5 @@ def oneshot_allreduce_add_rmsnorm(
         RANK=rank, WORLD=world_size, BLOCK_H=block_h,
         HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None, USE_PDL=use_pdl,
         CLEAR_FIRST=variant.clear_first, RELAXED_ARRIVE=variant.relaxed_arrive,
-        POLL_BACKOFF_NS=variant.poll_backoff_ns if x.device.type == "cuda" else 0,
         num_warps=num_warps, launch_pdl=use_pdl,
     )
