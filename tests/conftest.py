@@ -11,7 +11,7 @@ _pools: dict[tuple[int, str], RankPool] = {}
 
 
 @pytest.fixture(scope="session")
-def rank_pool():
+def rank_pool(tmp_path_factory):
     """``rank_pool(world_size, backend)``: a live pool, reused across tests, replaced after a failure."""
 
     def get(world_size: int, backend: str = "gloo") -> RankPool:
@@ -19,7 +19,10 @@ def rank_pool():
             pytest.skip(f"needs {world_size} GPUs")
         key = (world_size, backend)
         if key not in _pools or not _pools[key].alive:
-            _pools[key] = RankPool(world_size, backend)
+            # A fresh Inductor cache per rank: the fusion pass runs (and counts) on every rank instead of
+            # one rank loading the graph another rank just cached.
+            cache = tmp_path_factory.mktemp("inductor-cache")
+            _pools[key] = RankPool(world_size, backend, env={"TORCHINDUCTOR_CACHE_DIR": f"{cache}/rank{{rank}}"})
         return _pools[key]
 
     yield get

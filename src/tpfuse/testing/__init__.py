@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, backend: str, port: int, env: dict, tasks, results) -> None:
-    os.environ.update(env)
+    os.environ.update({k: v.replace("{rank}", str(rank)) for k, v in env.items()})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
@@ -73,7 +73,7 @@ class RankPool:
     backend : str
         "gloo" (CPU; sets ``TRITON_INTERPRET=1`` in the ranks) or "nccl" (rank r on GPU r).
     env : dict, optional
-        Extra environment for the ranks.
+        Extra environment for the ranks; ``{rank}`` in a value becomes the rank.
     timeout : float
         Seconds one :meth:`run` may take before the pool is killed.
     """
@@ -94,8 +94,20 @@ class RankPool:
                                               self._results), daemon=True)
             for r in range(world_size)
         ]
-        for p in self._procs:
-            p.start()
+        # The environment must be in place when a rank's interpreter starts, not only when its worker
+        # runs: spawn re-imports the parent's main script first, and Triton fixes its interpreter mode
+        # when triton.language is first imported.
+        saved = {k: os.environ.get(k) for k in rank_env}
+        os.environ.update(rank_env)
+        try:
+            for p in self._procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         self._next_task = 0
         self.alive = True
 

@@ -1,0 +1,109 @@
+"""The compiler pass on a 4-layer tensor-parallel Llama and on sites that must stay unfused (2 gloo ranks)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+import tpfuse
+from tpfuse.models import Transformer
+from tpfuse.models.llama import HFRMSNorm
+
+SMALL, LARGE = (5, 11), (24, 37)  # token counts below and above the fusion limit (16)
+
+
+def _sites_fused(backend) -> tuple[int, int]:
+    return sum(p.fused_sites for p in backend.passes), sum(p.unfused_sites for p in backend.passes)
+
+
+def _llama(rank, world_size, norm_style, all_reduce_style):
+    tpfuse.get_communicator(max_tokens=16, hidden=64)
+    model = Transformer.build("tiny", norm_style=norm_style, all_reduce_style=all_reduce_style)
+    compiled = tpfuse.compile(model)
+    runs = {}
+    for tokens in SMALL + LARGE:
+        ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            expected = model(ids)
+            tpfuse.reset_stats()
+            got = compiled(ids)
+        runs[tokens] = (expected, got, tpfuse.stats().get("triton.oneshot", 0))
+    return runs, dict(compiled.tpfuse_backend.compiles), _sites_fused(compiled.tpfuse_backend)
+
+
+@pytest.mark.parametrize("norm_style,all_reduce_style",
+                         [("hf", "functional"), ("gptfast", "inplace"), ("torch", "functional")])
+def test_every_site_of_a_tp_llama_is_fused_below_the_limit(rank_pool, norm_style, all_reduce_style):
+    results = rank_pool(2).run(_llama, norm_style, all_reduce_style, timeout=900)
+    for runs, compiles, (fused, unfused) in results:
+        assert compiles == {"fused": 1, "plain": 1}  # one compilation per range
+        assert (fused, unfused) == (8, 0)  # 2 sites a layer, no all-reduce left in the fused graph
+        for tokens, (expected, got, kernel_calls) in runs.items():
+            assert kernel_calls == (8 if tokens in SMALL else 0), (tokens, kernel_calls)
+            torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
+    assert all(torch.equal(results[0][0][t][1], r[0][t][1]) for r in results for t in SMALL)
+
+
+class Site(nn.Module):
+    """One block end, in a form chosen by ``kind``: fusable ones and ones that must stay unfused."""
+
+    def __init__(self, kind: str, hidden: int = 64):
+        super().__init__()
+        self.kind = kind
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.norm = HFRMSNorm(hidden, 1e-5)
+        self.register_buffer("scale", torch.tensor([0.02]))
+
+    def forward(self, x, residual):
+        partial = self.proj(x)
+        op = "max" if self.kind == "max_all_reduce" else "sum"
+        a = funcol.all_reduce(partial, op, dist.group.WORLD)
+        if self.kind == "no_residual":
+            return (self.norm(a),)
+        if self.kind == "op_between":
+            a = a * 2
+        h = residual + a
+        y = self.norm(h)
+        if self.kind == "fp8":
+            return (y.float() / self.scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), h
+        if self.kind == "sum_used_elsewhere":
+            return y, h, a * 3
+        return y, h
+
+
+def _site(rank, world_size, kind, dtype):
+    tpfuse.get_communicator(max_tokens=16, hidden=64)
+    torch.manual_seed(rank)
+    module = Site(kind).to(dtype)
+    module.scale = module.scale.float()  # a static fp8 scale stays float32
+    nn.init.normal_(module.norm.weight, 1.0, 0.1)
+    compiled = tpfuse.compile(module)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(rank)).to(dtype)
+    residual = torch.randn(6, 64, generator=torch.Generator().manual_seed(99)).to(dtype)
+    with torch.no_grad():
+        expected = module(x, residual)
+        tpfuse.reset_stats()
+        got = compiled(x, residual)
+    return expected, got, _sites_fused(compiled.tpfuse_backend), tpfuse.stats().get("triton.oneshot", 0)
+
+
+@pytest.mark.parametrize("kind,dtype,fused", [
+    ("no_residual", torch.bfloat16, 1),
+    ("fp8", torch.bfloat16, 1),
+    ("plain", torch.float16, 1),
+    ("op_between", torch.bfloat16, 0),
+    ("max_all_reduce", torch.bfloat16, 0),
+    ("plain", torch.float32, 0),  # dtype the kernels do not take
+    ("sum_used_elsewhere", torch.bfloat16, 0),  # the op cannot give the pre-add sum to its other user
+])
+def test_sites_fuse_only_when_they_may_and_stay_right(rank_pool, kind, dtype, fused):
+    for expected, got, (fused_sites, unfused_sites), kernel_calls in rank_pool(2).run(_site, kind, dtype):
+        # Sites the backend already knows to be ineligible (max, fp32) get no fused graph at all.
+        assert fused_sites == fused and unfused_sites <= 1 - fused, (fused_sites, unfused_sites, kernel_calls)
+        assert kernel_calls == fused
+        for e, g in zip(expected, got):
+            if e.dtype == torch.float8_e4m3fn:
+                torch.testing.assert_close(g.float(), e.float(), atol=0.05, rtol=0.13)
+            else:
+                torch.testing.assert_close(g.float(), e.float(), atol=2e-2, rtol=2e-2)
