@@ -1,9 +1,12 @@
 """The compiler pass on a 4-layer tensor-parallel Llama and on sites that must stay unfused (2 gloo ranks)."""
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from conftest import BACKENDS, rank_device
 from torch import nn
 
 import tpfuse
@@ -17,25 +20,30 @@ def _sites_fused(backend) -> tuple[int, int]:
     return sum(p.fused_sites for p in backend.passes), sum(p.unfused_sites for p in backend.passes)
 
 
-def _llama(rank, world_size, norm_style, all_reduce_style):
+def _llama(rank, world_size, backend, norm_style, all_reduce_style, mode=None):
+    device = rank_device(backend, rank)
     tpfuse.get_communicator(max_tokens=16, hidden=64)
-    model = Transformer.build("tiny", norm_style=norm_style, all_reduce_style=all_reduce_style)
-    compiled = tpfuse.compile(model)
+    model = Transformer.build("tiny", norm_style=norm_style, all_reduce_style=all_reduce_style, device=device)
+    compiled = tpfuse.compile(model, mode=mode)
     runs = {}
     for tokens in SMALL + LARGE:
-        ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(tokens))
+        ids = torch.randint(0, 256, (tokens,), generator=torch.Generator().manual_seed(tokens)).to(device)
         with torch.no_grad():
-            expected = model(ids)
+            expected = model(ids).cpu()
             tpfuse.reset_stats()
-            got = compiled(ids)
-        runs[tokens] = (expected, got, tpfuse.stats().get("triton.oneshot", 0))
+            got = compiled(ids).cpu()
+            calls = tpfuse.stats().get("triton.oneshot", 0)
+            replayed = compiled(ids).cpu()  # a second call: with CUDA graphs, a replay
+        assert torch.equal(got, replayed)
+        runs[tokens] = (expected, got, calls)
     return runs, dict(compiled.tpfuse_backend.compiles), _sites_fused(compiled.tpfuse_backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("norm_style,all_reduce_style",
                          [("hf", "functional"), ("gptfast", "inplace"), ("torch", "functional")])
-def test_every_site_of_a_tp_llama_is_fused_below_the_limit(rank_pool, norm_style, all_reduce_style):
-    results = rank_pool(2).run(_llama, norm_style, all_reduce_style, timeout=900)
+def test_every_site_of_a_tp_llama_is_fused_below_the_limit(rank_pool, backend, norm_style, all_reduce_style):
+    results = rank_pool(2, backend).run(_llama, backend, norm_style, all_reduce_style, timeout=900)
     for runs, compiles, (fused, unfused) in results:
         assert compiles == {"fused": 1, "plain": 1}  # one compilation per range
         assert (fused, unfused) == (8, 0)  # 2 sites a layer, no all-reduce left in the fused graph
@@ -43,6 +51,22 @@ def test_every_site_of_a_tp_llama_is_fused_below_the_limit(rank_pool, norm_style
             assert kernel_calls == (8 if tokens in SMALL else 0), (tokens, kernel_calls)
             torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
     assert all(torch.equal(results[0][0][t][1], r[0][t][1]) for r in results for t in SMALL)
+
+
+@pytest.mark.skipif("nccl" not in BACKENDS, reason="needs 2 GPUs")
+def test_reduce_overhead_mode_on_gpus(rank_pool):
+    for runs, compiles, (fused, _) in rank_pool(2, "nccl").run(_llama, "nccl", "hf", "functional",
+                                                                "reduce-overhead", timeout=900):
+        assert compiles == {"fused": 1, "plain": 1} and fused == 8
+        for tokens, (expected, got, kernel_calls) in runs.items():
+            assert kernel_calls == (8 if tokens in SMALL else 0), (tokens, kernel_calls)
+            torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_pass_identity_is_stable_for_inductors_cache():
+    from tpfuse.compile import FusionPass
+
+    assert FusionPass(16).uuid() == FusionPass(16).uuid() != FusionPass(32).uuid()
 
 
 class Site(nn.Module):
@@ -72,7 +96,20 @@ class Site(nn.Module):
         return y, h
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _site(rank, world_size, kind, dtype):
+    records = _Records()
+    logger = logging.getLogger("tpfuse.compile")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(records)
     tpfuse.get_communicator(max_tokens=16, hidden=64)
     torch.manual_seed(rank)
     module = Site(kind).to(dtype)
@@ -85,20 +122,24 @@ def _site(rank, world_size, kind, dtype):
         expected = module(x, residual)
         tpfuse.reset_stats()
         got = compiled(x, residual)
-    return expected, got, _sites_fused(compiled.tpfuse_backend), tpfuse.stats().get("triton.oneshot", 0)
+    logger.removeHandler(records)
+    return (expected, got, _sites_fused(compiled.tpfuse_backend), tpfuse.stats().get("triton.oneshot", 0),
+            records.messages)
 
 
-@pytest.mark.parametrize("kind,dtype,fused", [
-    ("no_residual", torch.bfloat16, 1),
-    ("fp8", torch.bfloat16, 1),
-    ("plain", torch.float16, 1),
-    ("op_between", torch.bfloat16, 0),
-    ("max_all_reduce", torch.bfloat16, 0),
-    ("plain", torch.float32, 0),  # dtype the kernels do not take
-    ("sum_used_elsewhere", torch.bfloat16, 0),  # the op cannot give the pre-add sum to its other user
+@pytest.mark.parametrize("kind,dtype,fused,logged", [
+    ("no_residual", torch.bfloat16, 1, "fused 1 of 1"),
+    ("fp8", torch.bfloat16, 1, "fused 1 of 1"),
+    ("plain", torch.float16, 1, "fused 1 of 1"),
+    ("op_between", torch.bfloat16, 0, "no fusable add/RMSNorm pattern"),
+    ("max_all_reduce", torch.bfloat16, 0, None),
+    ("plain", torch.float32, 0, None),  # dtype the kernels do not take
+    ("sum_used_elsewhere", torch.bfloat16, 0, "fused 0 of 1"),  # the op has no pre-add sum; reason logged once
 ])
-def test_sites_fuse_only_when_they_may_and_stay_right(rank_pool, kind, dtype, fused):
-    for expected, got, (fused_sites, unfused_sites), kernel_calls in rank_pool(2).run(_site, kind, dtype):
+def test_sites_fuse_only_when_they_may_and_stay_right(rank_pool, kind, dtype, fused, logged):
+    for expected, got, (fused_sites, unfused_sites), kernel_calls, messages in rank_pool(2).run(_site, kind, dtype):
+        if logged:
+            assert any(logged in m for m in messages), messages
         # Sites the backend already knows to be ineligible (max, fp32) get no fused graph at all.
         assert fused_sites == fused and unfused_sites <= 1 - fused, (fused_sites, unfused_sites, kernel_calls)
         assert kernel_calls == fused
