@@ -15,9 +15,9 @@ nvidia-smi topo -m 2>/dev/null | head -5
 if [ -f .anchors/setup.sh ]; then bash .anchors/setup.sh .anchors 2>&1 | tail -1; fi
 
 status=0
-echo "== GPU tests (NCCL ranks; kernels compiled for the GPU) =="
+echo "== GPU tests (NCCL ranks; kernels compiled for the GPU; the compiler pass on a TP Llama) =="
 TPFUSE_GRAPH_REPLAYS=${TPFUSE_GRAPH_REPLAYS:-100000} \
-  python3 -m pytest tests -q -x -k "nccl or fp8 or graph" -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
+  python3 -m pytest tests -q -x -k "nccl or fp8 or graph or reduce_overhead" -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 if [ "${1:-}" = variants ]; then

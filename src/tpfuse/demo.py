@@ -31,6 +31,40 @@ def _demo_rank(rank, world_size, backend, cases):
     return repr(comm), out
 
 
+PROMPT, NEW_TOKENS = [1, 17, 42, 7], 8
+
+
+def _greedy(model, device, steps: int) -> tuple[list[int], float]:
+    """Greedy decoding without a cache (the whole sequence each step); also the largest logit seen."""
+    ids = torch.tensor(PROMPT, device=device)
+    top = 0.0
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(ids)
+            top = max(top, logits.float().abs().max().item())
+            ids = torch.cat([ids, logits[-1].argmax().view(1)])
+    return ids.tolist(), top
+
+
+def _demo_model(rank, world_size, backend):
+    import tpfuse
+    from tpfuse.models import Transformer
+
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    tpfuse.get_communicator(max_tokens=16, hidden=64)
+    model = Transformer.build("tiny", device=device)
+    compiled = tpfuse.compile(model)
+    ids = torch.tensor(PROMPT + [3, 5, 9], device=device)
+    with torch.no_grad():
+        diff = (compiled(ids).float() - model(ids).float()).abs().max().item()
+    eager_ids, _ = _greedy(model, device, NEW_TOKENS)
+    tpfuse.reset_stats()
+    compiled_ids, top = _greedy(compiled, device, NEW_TOKENS)
+    fused = sum(p.fused_sites for p in compiled.tpfuse_backend.passes)
+    return {"fused": fused, "diff": diff, "top": top, "eager": eager_ids, "compiled": compiled_ids,
+            "kernel_calls": tpfuse.stats().get("triton.oneshot", 0)}
+
+
 def run_demo(world_size: int | None = None) -> int:
     """Run the demo cases on all GPUs (2 or more) or on 2 CPU processes; return an exit code."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -41,6 +75,7 @@ def run_demo(world_size: int | None = None) -> int:
     print(f"tpfuse demo: all-reduce + residual add + RMSNorm on {where}")
     with RankPool(world_size, backend) as pool:
         results = pool.run(_demo_rank, backend, DEMO_CASES)
+        model_results = pool.run(_demo_model, backend, timeout=900)
     print(f"rank 0: {results[0][0]}")
     print(f"{'tokens':>6} {'hidden':>6} {'dtype':>9} {'residual':>8} {'output':>13} {'backend':>15}  check")
     failures = 0
@@ -55,5 +90,16 @@ def run_demo(world_size: int | None = None) -> int:
         y_dtype = str(per_rank[0][0].dtype).replace("torch.", "")
         print(f"{case.tokens:>6} {case.hidden:>6} {str(case.dtype).replace('torch.', ''):>9} "
               f"{str(case.residual):>8} {y_dtype:>13} {results[0][1][i][1]:>15}  {verdict}")
-    print("demo: OK" if not failures else f"demo: {failures} case(s) FAILED")
+    m = model_results[0]
+    print(f"\ntiny tensor-parallel Llama ({world_size} ranks, 4 layers, hidden 64, bf16) compiled with tpfuse.compile:")
+    print(f"  fused all-reduce + add + RMSNorm sites: {m['fused']} of 8; fused kernel calls while decoding: "
+          f"{m['kernel_calls']}")
+    print(f"  largest logit difference from the unfused model: {m['diff']:.4f} (largest logit {m['top']:.2f})")
+    print(f"  greedy ids, unfused: {m['eager']}")
+    print(f"  greedy ids, fused:   {m['compiled']}")
+    same = all(r["compiled"] == m["compiled"] for r in model_results) and m["compiled"] == m["eager"]
+    if m["fused"] != 8 or not same:
+        failures += 1
+        print("  FAILED: " + ("not every site was fused" if m["fused"] != 8 else "token ids differ"))
+    print("demo: OK" if not failures else f"demo: {failures} check(s) FAILED")
     return 1 if failures else 0

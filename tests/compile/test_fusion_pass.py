@@ -114,6 +114,8 @@ def _site(rank, world_size, kind, dtype):
     torch.manual_seed(rank)
     module = Site(kind).to(dtype)
     module.scale = module.scale.float()  # a static fp8 scale stays float32
+    if kind == "fp32_weight":  # HF style with an fp32 gamma: the result becomes fp32, not x's dtype
+        module.norm.float()
     nn.init.normal_(module.norm.weight, 1.0, 0.1)
     compiled = tpfuse.compile(module)
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(rank)).to(dtype)
@@ -134,7 +136,8 @@ def _site(rank, world_size, kind, dtype):
     ("op_between", torch.bfloat16, 0, "no fusable add/RMSNorm pattern"),
     ("max_all_reduce", torch.bfloat16, 0, None),
     ("plain", torch.float32, 0, None),  # dtype the kernels do not take
-    ("sum_used_elsewhere", torch.bfloat16, 0, "fused 0 of 1"),  # the op has no pre-add sum; reason logged once
+    ("sum_used_elsewhere", torch.bfloat16, 0, "fused 0 of 1"),
+    ("fp32_weight", torch.bfloat16, 0, "fused 0 of 1"),  # the op has no pre-add sum; reason logged once
 ])
 def test_sites_fuse_only_when_they_may_and_stay_right(rank_pool, kind, dtype, fused, logged):
     for expected, got, (fused_sites, unfused_sites), kernel_calls, messages in rank_pool(2).run(_site, kind, dtype):
