@@ -6,4 +6,4 @@ from tpfuse.demo import run_demo
 def test_demo_passes(capsys):
     assert run_demo() == 0
     out = capsys.readouterr().out
-    assert "fused all-reduce + add + RMSNorm sites: 8 of 8" in out and "demo: OK" in out
+    assert "sites run per forward: 8 of 8" in out and "demo: OK" in out
