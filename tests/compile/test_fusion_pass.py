@@ -151,3 +151,42 @@ def test_sites_fuse_only_when_they_may_and_stay_right(rank_pool, kind, dtype, fu
                 torch.testing.assert_close(g.float(), e.float(), atol=0.05, rtol=0.13)
             else:
                 torch.testing.assert_close(g.float(), e.float(), atol=2e-2, rtol=2e-2)
+
+
+class _Example(nn.Module):
+    """A pattern's example as a model holds it: the gain a parameter, the fp8 scale a buffer."""
+
+    def __init__(self, pattern, weight, scale):
+        super().__init__()
+        self.pattern = pattern
+        self.weight = nn.Parameter(weight)
+        self.register_buffer("scale", scale)
+
+    def forward(self, x, residual):
+        return self.pattern.example(x, residual, self.weight, 1e-6, self.scale)
+
+
+def _pattern_example(rank, world_size, name):
+    from tpfuse.compile import patterns
+
+    pattern = getattr(patterns, name)
+    tpfuse.get_communicator(max_tokens=16, hidden=64)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(rank)).bfloat16()
+    residual = torch.randn(6, 64).bfloat16() if pattern.residual else None
+    weight, scale = torch.ones(64).bfloat16(), torch.tensor([0.05])
+    compiled = tpfuse.compile(_Example(pattern, weight, scale))
+    with torch.no_grad():
+        expected = pattern.example(x, residual, weight, 1e-6, scale)
+        tpfuse.reset_stats()
+        got = compiled(x, residual)
+    return expected, got, tpfuse.stats().get("triton.oneshot", 0)
+
+
+@pytest.mark.parametrize("name", ["AllReduceRMSNorm", "AllReduceAddRMSNorm", "AllReduceRMSNormQuant",
+                                  "AllReduceAddRMSNormQuant"])
+def test_each_pattern_fuses_its_own_example(rank_pool, name):
+    for expected, got, kernel_calls in rank_pool(2).run(_pattern_example, name):
+        assert kernel_calls == 1
+        for e, g in zip(expected, got):
+            tol = dict(atol=0.05, rtol=0.13) if e.dtype == torch.float8_e4m3fn else dict(atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(g.float(), e.float(), **tol)

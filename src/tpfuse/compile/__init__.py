@@ -22,9 +22,9 @@ import uuid
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from tpfuse import _stats, select
+from tpfuse import _stats
 from tpfuse.comm.communicator import lookup_communicator
-from tpfuse.compile.patterns import ALL_REDUCE, PATTERNS, FusionPattern, Match
+from tpfuse.compile.patterns import ALL_REDUCE, PATTERNS, FusionPattern, Match, static_int
 
 log = logging.getLogger(__name__)
 _reasons_logged: set[str] = set()
@@ -111,16 +111,16 @@ def _fusion_limit(gm: torch.fx.GraphModule) -> tuple[int, object]:
             continue
         value = node.meta.get("example_value")
         group_name, reduce_op = node.args[2], node.args[1]
-        if value is None or value.dim() != 2 or reduce_op != "sum" or not isinstance(value.shape[1], int):
+        if value is None or value.dim() != 2 or reduce_op != "sum" or static_int(value.shape[1]) is None:
             continue
         comm = lookup_communicator(group_name) if isinstance(group_name, str) else None
         if comm is None:
             continue
-        site_limit = select.max_token_num(value.shape[1], value.dtype, comm.world_size, comm.workspace_bytes,
-                                          comm.device)
+        site_limit = comm.max_token_num(static_int(value.shape[1]), value.dtype)
         if site_limit > 0:
             limit = site_limit if limit is None else min(limit, site_limit)
-            token_dim = value.shape[0]
+            tokens = static_int(value.shape[0])
+            token_dim = tokens if tokens is not None else value.shape[0]
     return limit or 0, token_dim
 
 

@@ -43,6 +43,15 @@ def _val(node: Node):
     return node.meta.get("val")
 
 
+def static_int(size) -> int | None:
+    """``size`` as an int when it is one, or a SymInt that dynamo specialised to a constant; else None."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        return size.node.maybe_as_int()
+    return None
+
+
 def _only_user(node: Node) -> Node | None:
     users = list(node.users)
     return users[0] if len(users) == 1 else None
@@ -193,8 +202,8 @@ class FusionPattern:
             return f"all-reduce op is {m.reduce_op!r}, not 'sum'"
         if x.dtype not in select.KERNEL_DTYPES:
             return f"dtype {x.dtype} is not supported by the kernels"
-        hidden = x.shape[-1]
-        if not isinstance(hidden, int):
+        hidden = static_int(x.shape[-1])
+        if hidden is None:
             return "hidden size is dynamic"
         if not select.kernel_supports(hidden, x.dtype):
             return f"hidden size {hidden} is not supported (a multiple of 8 up to {select.MAX_KERNEL_HIDDEN})"
@@ -214,10 +223,10 @@ class FusionPattern:
         if comm is None or comm.workspace is None:
             return f"group {m.group_name!r} has no tpfuse communicator with a workspace"
         limit = comm.max_token_num(hidden, x.dtype)
-        tokens = x.shape[0] if x.dim() == 2 else None
-        bound = tokens if isinstance(tokens, int) else max_tokens
-        if tokens is None:
+        if x.dim() != 2:
             return "the all-reduce input is not 2-D [tokens, hidden]"
+        tokens = static_int(x.shape[0])
+        bound = tokens if tokens is not None else max_tokens
         if bound is None:
             return "the token range of this graph is unbounded (compile with tpfuse.compile)"
         if bound > limit:

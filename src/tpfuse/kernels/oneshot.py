@@ -6,11 +6,12 @@ Protocol (no barrier round trip, graph-safe; see docs/kernel-notes.md):
     rows:   dealt round-robin to min(T, max_programs) programs, the same on every rank
     push:   every program stores its rows of x (with -0.0 made +0.0) into region RANK of slot s of
             every peer
+    clear:  the programs together reset slot (c - 1) % 3 to the sentinel, over the extent the
+            previous call wrote (kept on the device, never recomputed from this call's shape),
+            while the pushed data is in flight
     wait:   it polls region r of its own slot s (volatile loads) until no word holds the sentinel
             (-0.0), for each peer r; its own rows it reads from x
     reduce: fp32 sum in rank order, + residual, RMSNorm, * weight, optional fp8
-    clear:  the programs together reset slot (c - 1) % 3 to the sentinel, over the extent the
-            previous call wrote (kept on the device, never recomputed from this call's shape)
     count:  the last program to finish records this call's extent and advances c
 
 A peer can be at most one call ahead (it needs our data to finish each call), so it only ever

@@ -1,7 +1,7 @@
 """Which calls the fused kernels take: the one place that decides the fusion limit.
 
 Every backend, the op's dispatcher and the compiler pass ask :func:`max_token_num`; nothing else
-computes a token limit. :func:`choose_algorithm` names the algorithm a single call would use.
+computes a token limit.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ HIDDEN_MULTIPLE = 8
 # Conservative defaults until `tune` (a later issue) measures the crossovers on the user's machine.
 _ONESHOT_MAX_BYTES_PER_RANK = {2: 8 << 20, 3: 6 << 20, 4: 4 << 20, 8: 2 << 20}
 _ONESHOT_MAX_BYTES_FALLBACK = 1 << 20
-
-ONESHOT = "oneshot"
-REFERENCE = "reference"
 
 
 def kernel_supports(hidden: int, dtype: torch.dtype) -> bool:
@@ -66,15 +63,3 @@ def max_token_num(
     by_algorithm = _ONESHOT_MAX_BYTES_PER_RANK.get(world_size, _ONESHOT_MAX_BYTES_FALLBACK) // row_bytes
     return int(min(by_workspace, by_algorithm))
 
-
-def choose_algorithm(
-    n_tokens: int,
-    hidden: int,
-    dtype: torch.dtype,
-    world_size: int,
-    workspace_bytes: int,
-    device: torch.device | str | None = None,
-) -> str:
-    """The algorithm a call of ``n_tokens`` rows would use: ``"oneshot"`` or ``"reference"``."""
-    limit = max_token_num(hidden, dtype, world_size, workspace_bytes, device)
-    return ONESHOT if 0 < n_tokens <= limit else REFERENCE
