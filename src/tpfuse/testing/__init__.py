@@ -44,6 +44,8 @@ def _worker(rank: int, world_size: int, backend: str, port: int, env: dict, task
 
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)  # ranks share the CPU's cores; more threads only oversubscribe them
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=600),
                             device_id=torch.device("cuda", rank) if backend == "nccl" else None)
