@@ -32,7 +32,7 @@ def _sequence(rank, world_size, backend, cases, check_clear):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_changing_shapes_rotate_and_clear_slots(rank_pool, backend, world_size):
     cases = [Case(t, h, torch.bfloat16 if i % 2 else torch.float16, residual=i % 3 != 0, seed=i)
              for i, (t, h) in enumerate(SEQUENCE * 2)]
