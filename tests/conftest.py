@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tpfuse.testing import RankPool
+from tpfuse.testing import RankPool, rank_device  # noqa: F401 - rank_device is imported by the tests
 
 # Ranks run as processes: gloo on the CPU (kernels under the Triton interpreter) always, NCCL on GPUs
 # when this machine has at least two.
@@ -30,6 +30,3 @@ def rank_pool(tmp_path_factory):
         pool.close()
     _pools.clear()
 
-
-def rank_device(backend: str, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tpfuse.testing import RankPool
+from tpfuse.testing import RankPool, rank_device
 from tpfuse.testing.cases import Case, check_results
 
 DEMO_CASES = [
@@ -19,7 +19,7 @@ DEMO_CASES = [
 def _demo_rank(rank, world_size, backend, cases):
     import tpfuse
 
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    device = rank_device(backend, rank)
     comm = tpfuse.get_communicator(max_tokens=16, hidden=8192)
     out = []
     for case in cases:
@@ -50,7 +50,7 @@ def _demo_model(rank, world_size, backend):
     import tpfuse
     from tpfuse.models import Transformer
 
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    device = rank_device(backend, rank)
     tpfuse.get_communicator(max_tokens=16, hidden=64)
     model = Transformer.build("tiny", device=device)
     compiled = tpfuse.compile(model)

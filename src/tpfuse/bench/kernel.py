@@ -27,15 +27,6 @@ VARIANTS = {
 }
 
 
-def _norm_fn():
-    @torch.compile(dynamic=True)
-    def add_rmsnorm(x, residual, weight):
-        h = x.float() + residual.float()
-        y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()
-        return y.to(x.dtype), h.to(x.dtype)
-    return add_rmsnorm
-
-
 def _load_flashinfer():
     sys.path.insert(0, os.environ.get("ANCHOR_SITE", "/tmp/anchor-site"))
     try:
@@ -57,9 +48,9 @@ def bench_rank(hiddens: list[int], tokens: list[int], providers: list[str]) -> l
     import torch.distributed._symmetric_memory as symm_mem
 
     import tpfuse
-    from tpfuse.kernels.reference import fused_reference_float64
-
+    from tpfuse.comm.workspace import enable_symm_mem
     from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
+    from tpfuse.kernels.reference import add_rmsnorm_reference, fused_reference_float64
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -72,11 +63,15 @@ def bench_rank(hiddens: list[int], tokens: list[int], providers: list[str]) -> l
         _, fi_workspace, _ = fi.trtllm_create_ipc_workspace_for_all_reduce_fusion(
             rank, world, max_t, max_h, group=dist.group.WORLD, create_metadata=True)
     if "symm_mem" in providers:
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(group_name)
+        enable_symm_mem(group_name)
         symm_buf = symm_mem.empty(max_t * max_h, device=dev, dtype=torch.bfloat16)
         symm_mem.rendezvous(symm_buf, group_name)
-    add_rmsnorm = _norm_fn()
+    # The baselines' add + RMSNorm: the reference path's own torch code, compiled.
+    compiled_norm = torch.compile(add_rmsnorm_reference, dynamic=True)
+
+    def add_rmsnorm(reduced, residual, weight):
+        return compiled_norm(reduced, residual, weight, EPS)
+
     rows = []
     for hidden in hiddens:
         weight = (1 + 0.5 * torch.randn(hidden, generator=torch.Generator().manual_seed(hidden))).bfloat16().to(dev)

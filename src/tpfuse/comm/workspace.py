@@ -67,6 +67,16 @@ def _buffer_elems(region_elems: int, world_size: int) -> int:
     return total
 
 
+def enable_symm_mem(group_name: str) -> None:
+    """Enable torch symmetric memory for a group: required by older torch, deprecated (a no-op) later."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group_name)
+
+
 def allocate_cuda(group: dist.ProcessGroup, region_elems: int, device: torch.device) -> Workspace:
     """Symmetric-memory workspace for a NCCL group (collective: every rank of ``group`` calls it)."""
     import torch.distributed._symmetric_memory as symm_mem
@@ -74,10 +84,7 @@ def allocate_cuda(group: dist.ProcessGroup, region_elems: int, device: torch.dev
     world = dist.get_world_size(group)
     buf = symm_mem.empty(_buffer_elems(region_elems, world), dtype=torch.int16, device=device)
     buf.fill_(SENTINEL)
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required by older torch, deprecated later
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            symm_mem.enable_symm_mem_for_group(group.group_name)
+    enable_symm_mem(group.group_name)
     handle = symm_mem.rendezvous(buf, group.group_name)
     peer_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
     state = torch.zeros(STATE_LEN, dtype=torch.int32, device=device)

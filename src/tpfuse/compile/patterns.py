@@ -28,11 +28,11 @@ from torch.fx import Graph, Node
 
 from tpfuse import select
 from tpfuse.comm.communicator import lookup_communicator
+from tpfuse.kernels.reference import FP8_MAX
 
 aten, prims = torch.ops.aten, torch.ops.prims
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
-FP8_MAX = 448.0
 
 
 def _is(node: object, *targets) -> bool:
@@ -61,12 +61,15 @@ def _users(node: Node, *targets) -> list[Node]:
     return [u for u in node.users if _is(u, *targets)]
 
 
+def _converts_to(node: Node, dtype: torch.dtype) -> list[Node]:
+    """The users of ``node`` that convert it to ``dtype``."""
+    return [u for u in _users(node, prims.convert_element_type.default) if u.args[1] == dtype]
+
+
 def _convert_to(node: Node, dtype: torch.dtype) -> Node | None:
-    """The user of ``node`` that converts it to ``dtype``, if any."""
-    for u in _users(node, prims.convert_element_type.default):
-        if u.args[1] == dtype:
-            return u
-    return None
+    """The first user of ``node`` that converts it to ``dtype``, if any."""
+    casts = _converts_to(node, dtype)
+    return casts[0] if casts else None
 
 
 def _other(node: Node, known: Node) -> object:
@@ -95,7 +98,7 @@ def match_rmsnorm(h: Node) -> tuple[Node, Node, float, list[Node]] | None:
     """(out, weight, eps, internal nodes) of an RMSNorm of ``h`` in any supported style, or None."""
     dtype = _val(h).dtype
     # gpt-fast writes x.float() twice; the post-grad graph may keep both casts.
-    casts = [u for u in _users(h, prims.convert_element_type.default) if u.args[1] == torch.float32]
+    casts = _converts_to(h, torch.float32)
     for c in casts:
         for p in c.users:
             squares = (_is(p, aten.pow.Tensor_Scalar) and p.args[1] == 2
@@ -202,6 +205,8 @@ class FusionPattern:
             return f"all-reduce op is {m.reduce_op!r}, not 'sum'"
         if x.dtype not in select.KERNEL_DTYPES:
             return f"dtype {x.dtype} is not supported by the kernels"
+        if x.dim() != 2:
+            return "the all-reduce input is not 2-D [tokens, hidden]"
         hidden = static_int(x.shape[-1])
         if hidden is None:
             return "hidden size is dynamic"
@@ -223,8 +228,6 @@ class FusionPattern:
         if comm is None or comm.workspace is None:
             return f"group {m.group_name!r} has no tpfuse communicator with a workspace"
         limit = comm.max_token_num(hidden, x.dtype)
-        if x.dim() != 2:
-            return "the all-reduce input is not 2-D [tokens, hidden]"
         tokens = static_int(x.shape[0])
         bound = tokens if tokens is not None else max_tokens
         if bound is None:

@@ -25,6 +25,13 @@ DEFAULT_TIMEOUT_S = 300.0
 FAILURE_GRACE_S = 10.0
 
 
+def rank_device(backend: str, rank: int):
+    """The device rank ``rank`` of a pool works on: GPU ``rank`` under NCCL, else the CPU."""
+    import torch
+
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+
 class RankError(RuntimeError):
     """A rank raised; the message carries its traceback."""
 
