@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 
 import torch
@@ -17,6 +18,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_HIDDEN = 8192
+#: Where fused calls run: our Triton kernels, FlashInfer's kernels (optional), or always the group's
+#: own all-reduce. ``$TPFUSE_BACKEND`` picks the default.
+BACKENDS = ("triton", "flashinfer", "reference")
 # Programs per kernel launch on the CPU interpreter: few, so tests cover programs with several rows.
 CPU_MAX_PROGRAMS = 4
 
@@ -58,28 +62,43 @@ class Communicator:
     rank, world_size : int
         This process's rank in ``group`` and the group's size.
     device : torch.device
+    backend : str
+        One of :data:`BACKENDS`.
     """
 
-    def __init__(self, group: dist.ProcessGroup, max_tokens: int, hidden: int):
+    def __init__(self, group: dist.ProcessGroup, max_tokens: int, hidden: int, backend: str):
         self.group = group
         self.group_name = group.group_name
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = group_device(group)
+        self.backend = backend
         self.workspace: ws.Workspace | None = None
+        self.flashinfer = None
         self.max_programs = 0
         self._destroyed = False
-        self._allocate(max_tokens * hidden)
+        self._allocate(max_tokens, hidden)
 
-    def _allocate(self, region_elems: int) -> None:
-        if self.world_size < 2 or not kernels_usable(self.device):
-            return  # no kernel can run here: every call takes the reference path
+    def _allocate(self, max_tokens: int, hidden: int) -> None:
+        if self.world_size < 2 or self.backend == "reference":
+            return  # every call takes the reference path
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"tpfuse: cannot allocate the workspace of group {self.group_name!r} during CUDA "
+                "graph capture; call tpfuse.get_communicator(...) before capturing"
+            )
+        if self.backend == "flashinfer":
+            if self.device.type != "cuda":
+                raise ValueError(f"tpfuse: the flashinfer backend needs CUDA; group {self.group_name!r} "
+                                 f"runs on {self.device}")
+            from tpfuse.comm.flashinfer import FlashInferWorkspace
+
+            self.flashinfer = FlashInferWorkspace(self.group, max_tokens, hidden)
+            return
+        if not kernels_usable(self.device):
+            return  # no Triton kernel can run here (no GPU, no interpreter): the reference path
+        region_elems = max_tokens * hidden
         if self.device.type == "cuda":
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"tpfuse: cannot allocate the workspace of group {self.group_name!r} during CUDA "
-                    "graph capture; call tpfuse.get_communicator(...) before capturing"
-                )
             self.workspace = ws.allocate_cuda(self.group, region_elems, self.device)
             programs = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
@@ -99,11 +118,34 @@ class Communicator:
     @property
     def workspace_bytes(self) -> int:
         """Bytes one rank may send per call (0 without a workspace): the input of ``max_token_num``."""
+        if self.flashinfer is not None:
+            return self.flashinfer.region_bytes
         return self.workspace.region_bytes if self.workspace is not None else 0
 
     def max_token_num(self, hidden: int, dtype: torch.dtype) -> int:
         """Largest token count a fused call of this group can take (see :func:`tpfuse.select.max_token_num`)."""
         return select.max_token_num(hidden, dtype, self.world_size, self.workspace_bytes, self.device)
+
+    def choose_algorithm(self, n_tokens: int, hidden: int, dtype: torch.dtype, quantized: bool = False) -> str:
+        """The algorithm a call of this group runs (see :func:`tpfuse.select.choose_algorithm`)."""
+        if quantized and self.flashinfer is not None:
+            return select.REFERENCE  # not wired to FlashInfer's fp8 pattern
+        return select.choose_algorithm(n_tokens, hidden, dtype, self.world_size, self.workspace_bytes,
+                                       self.device)
+
+    def run_fused(self, algorithm: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  eps: float, y: torch.Tensor, h: torch.Tensor, quant_scale: torch.Tensor | None) -> str:
+        """Run one call that :meth:`choose_algorithm` gave to a fused kernel; return its stats label."""
+        if self.flashinfer is not None:
+            self.flashinfer.run(algorithm, x, residual, weight, eps, y, h)
+            return f"flashinfer.{algorithm}"
+        if algorithm == select.ONESHOT:
+            from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm as launch
+        else:
+            from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm as launch
+        launch(x, residual, weight, eps, y, h, self.workspace, self.rank, self.world_size, self.max_programs,
+               quant_scale)
+        return f"triton.{algorithm}"
 
     def check_usable(self) -> None:
         if self._destroyed:
@@ -112,7 +154,7 @@ class Communicator:
     def ensure_capacity(self, max_tokens: int, hidden: int) -> None:
         """Grow the workspace to hold ``max_tokens`` rows of ``hidden`` (collective when it grows)."""
         self.check_usable()
-        if self.workspace is None or max_tokens * hidden <= self.workspace.region_elems:
+        if self.workspace_bytes == 0 or max_tokens * hidden * 2 <= self.workspace_bytes:
             return
         if self.device.type == "cuda":
             if torch.cuda.is_current_stream_capturing():
@@ -122,9 +164,14 @@ class Communicator:
                 )
             torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # no peer may still be pushing into the old buffers
-        self.workspace.release()
-        self.workspace = None
-        self._allocate(max_tokens * hidden)
+        self._release()
+        self._allocate(max_tokens, hidden)
+
+    def _release(self) -> None:
+        for resource in (self.workspace, self.flashinfer):
+            if resource is not None:
+                resource.release()
+        self.workspace = self.flashinfer = None
 
     def destroy(self) -> None:
         """Free the workspace and leave the registry. Idempotent; not collective, so safe at exit."""
@@ -134,16 +181,14 @@ class Communicator:
             self._destroyed = True
             if _registry.get(self.group_name) is self:
                 del _registry[self.group_name]
-        if self.workspace is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # our kernels may still use the buffers
-            self.workspace.release()
-            self.workspace = None
+        if self.device.type == "cuda" and self.workspace_bytes:
+            torch.cuda.synchronize(self.device)  # our kernels may still use the buffers
+        self._release()
 
     def __repr__(self) -> str:
         state = "destroyed" if self._destroyed else f"workspace_bytes={self.workspace_bytes}"
         return (f"Communicator(group={self.group_name!r}, rank={self.rank}, world_size={self.world_size}, "
-                f"device={self.device}, {state})")
+                f"device={self.device}, backend={self.backend!r}, {state})")
 
 
 def get_communicator(
@@ -151,6 +196,7 @@ def get_communicator(
     *,
     max_tokens: int | None = None,
     hidden: int | None = None,
+    backend: str | None = None,
 ) -> Communicator:
     """Return the one communicator of ``group``, creating it on first use.
 
@@ -165,14 +211,24 @@ def get_communicator(
     max_tokens, hidden : int, optional
         Size the workspace for calls of up to ``max_tokens`` rows of ``hidden`` 16-bit elements
         (defaults 512 and 8192: 8 MiB a rank a slot).
+    backend : str, optional
+        ``"triton"`` (default), ``"flashinfer"`` or ``"reference"``; ``$TPFUSE_BACKEND`` sets the
+        default. Fixed when the communicator is created: asking for another one later raises.
     """
     group = resolve_group(group)
+    chosen = backend or os.environ.get("TPFUSE_BACKEND") or "triton"
+    if chosen not in BACKENDS:
+        raise ValueError(f"tpfuse: unknown backend {chosen!r}; choose one of {', '.join(BACKENDS)}")
     with _registry_lock:
         comm = _registry.get(group.group_name)
         if comm is None:
-            comm = Communicator(group, max_tokens or DEFAULT_MAX_TOKENS, hidden or DEFAULT_HIDDEN)
+            comm = Communicator(group, max_tokens or DEFAULT_MAX_TOKENS, hidden or DEFAULT_HIDDEN, chosen)
             _registry[group.group_name] = comm
-        elif max_tokens is not None or hidden is not None:
+            return comm
+        if backend is not None and comm.backend != backend:
+            raise ValueError(f"tpfuse: group {group.group_name!r} already has a communicator with backend "
+                             f"{comm.backend!r}; destroy it before asking for {backend!r}")
+        if max_tokens is not None or hidden is not None:
             comm.ensure_capacity(max_tokens or DEFAULT_MAX_TOKENS, hidden or DEFAULT_HIDDEN)
         return comm
 

@@ -28,15 +28,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from tpfuse.comm.workspace import SENTINEL, STATE_ERROR, STATE_LEN, Workspace
-from tpfuse.kernels.fp8 import fp32_to_e4m3fn_bits
-
-# Globals a jitted function reads must be constexpr objects.
-_SENTINEL = tl.constexpr(SENTINEL)
-_STATE_ERROR = tl.constexpr(STATE_ERROR)
-
-# Polls of one peer row before a kernel gives up, flags STATE_ERROR and moves on (never hangs).
-DEFAULT_MAX_SPINS = 1 << 30
+from tpfuse.comm.workspace import STATE_LEN, Workspace
+from tpfuse.kernels.protocol import (DEFAULT_MAX_SPINS, _clear_slot, _finish_call, _peer_base, _sendable_bits,
+                                     _store_normed, _wait_row)
 
 
 @triton.jit
@@ -46,27 +40,11 @@ def _push_rows(x_ptr, peer_ptrs_ptr, dst_base, hidden, first_row, n_tokens, step
     row = first_row
     while row < n_tokens:
         offs = row.to(tl.int64) * hidden + cols
-        bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
-        bits = tl.where(bits == _SENTINEL, 0, bits)  # an input -0.0 would read as "not arrived"
+        bits = _sendable_bits(x_ptr, offs, mask)
         for r in tl.static_range(WORLD):
             if r != RANK:
-                peer = tl.load(peer_ptrs_ptr + r).to(tl.pointer_type(tl.int16))
-                tl.store(peer + dst_base + offs, bits, mask=mask)
+                tl.store(_peer_base(peer_ptrs_ptr, r) + dst_base + offs, bits, mask=mask)
         row += step
-
-
-@triton.jit
-def _clear_slot(own, slot_base, region_elems, extent, first, step, cols,
-                RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Reset the peers' regions of a slot to the sentinel over ``extent`` words, strided by program."""
-    sentinel = tl.full([BLOCK_H], _SENTINEL, tl.int16)
-    for r in tl.static_range(WORLD):
-        if r != RANK:  # nobody writes our own region: we keep our rows in x
-            start = first * BLOCK_H
-            while start < extent:
-                idx = start + cols
-                tl.store(own + slot_base + r * region_elems + idx, sentinel, mask=idx < extent)
-                start += step * BLOCK_H
 
 
 @triton.jit
@@ -93,7 +71,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     prev_base = prev_slot.to(tl.int64) * WORLD * region_elems
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
-    own = tl.load(peer_ptrs_ptr + RANK).to(tl.pointer_type(tl.int16))
+    own = _peer_base(peer_ptrs_ptr, RANK)
 
     # Rows are dealt to programs round-robin, identically on every rank (same grid everywhere), so
     # a program only ever waits for rows that the same program of a peer pushes. Push all our rows
@@ -111,46 +89,23 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         # Everything that does not depend on peers is loaded before the wait.
         if HAS_RESIDUAL:
             res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x_bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
-        x_bits = tl.where(x_bits == _SENTINEL, 0, x_bits)
+        x_bits = _sendable_bits(x_ptr, offs, mask)
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for r in tl.static_range(WORLD):
             if r == RANK:
                 bits = x_bits
             else:
-                src = own + slot_base + r * region_elems + offs
-                bits = tl.load(src, mask=mask, other=0, volatile=True)
-                while (tl.max((bits == _SENTINEL).to(tl.int32), axis=0) > 0) & (spins < max_spins):
-                    bits = tl.load(src, mask=mask, other=0, volatile=True)
-                    spins += 1
+                bits, spins = _wait_row(own + slot_base + r * region_elems + offs, mask, spins, max_spins)
             acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
         h = acc
         if HAS_RESIDUAL:
             h += res
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
-        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
-        y = h * rstd * w
-        if HAS_QUANT:  # y_ptr is the fp8 output viewed as uint8
-            y = tl.clamp(y / tl.load(scale_ptr), -448.0, 448.0)
-            tl.store(y_ptr + offs, fp32_to_e4m3fn_bits(y), mask=mask)
-        else:
-            tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        _store_normed(h, w, y_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
         row += n_programs
-    if spins >= max_spins:
-        tl.atomic_xchg(state_ptr + _STATE_ERROR, 1)
     if not CLEAR_FIRST:
         _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
-
-    # Every program has read the state by the time it arrives (its loads fed addresses it has
-    # already used), so ordering of the arrival itself is not needed; the last one advances it.
-    if RELAXED_ARRIVE:
-        arrived = tl.atomic_add(state_ptr + 1, 1, sem="relaxed")
-    else:
-        arrived = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel")
-    if arrived == n_programs - 1:
-        tl.store(state_ptr + 2 + slot, n_tokens * hidden)
-        tl.store(state_ptr + 0, call + 1)
-        tl.store(state_ptr + 1, 0)
+    _finish_call(state_ptr, call, slot, n_tokens * hidden, spins, max_spins, n_programs, RELAXED_ARRIVE)
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 Two ops share one implementation: ``tpfuse::allreduce_add_rmsnorm`` (functional, what graphs and
 the compiler pass use) and ``tpfuse::allreduce_add_rmsnorm_out`` (writes preallocated outputs).
-Each call picks its backend: the Triton one-shot kernel when the group's communicator has a
-workspace and the call fits :func:`tpfuse.select.max_token_num`, otherwise the reference path
-(the group's own all-reduce, then the same norm in torch).
+Each call picks where it runs: a fused kernel (the Triton one-shot or two-shot, or FlashInfer's,
+as :func:`tpfuse.select.choose_algorithm` decides) when the group's communicator has a workspace
+and the call fits :func:`tpfuse.select.max_token_num`, otherwise the reference path (the group's
+own all-reduce, then the same norm in torch).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tpfuse import _stats
+from tpfuse import _stats, select
 from tpfuse.comm.communicator import lookup_communicator, resolve_group
 from tpfuse.comm.workspace import STATE_ERROR
 from tpfuse.kernels.reference import add_rmsnorm_reference
@@ -95,17 +96,15 @@ def _run(x, residual, weight, eps, group_name, quant_scale, y, h) -> None:
     if n_tokens == 0:
         return
     comm = lookup_communicator(group_name)
-    if (comm is not None and comm.device == x.device
-            and n_tokens <= comm.max_token_num(hidden, x.dtype)):
-        from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
-
-        oneshot_allreduce_add_rmsnorm(x, residual, weight, eps, y, h, comm.workspace, comm.rank,
-                                      comm.world_size, comm.max_programs, quant_scale)
-        _stats.record("triton.oneshot")
-        if x.device.type == "cpu" and comm.workspace.state[STATE_ERROR].item():
-            raise RuntimeError(f"tpfuse: group {group_name!r}: a peer never delivered its rows "
-                               f"(call of {n_tokens} x {hidden}); a rank stalled or calls mismatched")
-        return
+    if comm is not None and comm.device == x.device:
+        comm.check_usable()
+        algorithm = comm.choose_algorithm(n_tokens, hidden, x.dtype, quantized=quant_scale is not None)
+        if algorithm != select.REFERENCE:
+            _stats.record(comm.run_fused(algorithm, x, residual, weight, eps, y, h, quant_scale))
+            if x.device.type == "cpu" and comm.workspace.state[STATE_ERROR].item():
+                raise RuntimeError(f"tpfuse: group {group_name!r}: a peer never delivered its rows "
+                                   f"(call of {n_tokens} x {hidden}); a rank stalled or calls mismatched")
+            return
     group = _group_by_name(group_name)
     reduced = x.to(torch.float32, copy=True)
     dist.all_reduce(reduced, group=group)

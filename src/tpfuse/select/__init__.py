@@ -1,29 +1,132 @@
-"""Which calls the fused kernels take: the one place that decides the fusion limit.
+"""Which calls the fused kernels take, and which algorithm each one runs.
 
-Every backend, the op's dispatcher and the compiler pass ask :func:`max_token_num`; nothing else
-computes a token limit.
+The one place that decides the fusion limit: every backend, the op's dispatcher and the compiler
+pass ask :func:`max_token_num`; per call, :func:`choose_algorithm` picks one-shot, two-shot or the
+reference path from an :class:`AlgorithmTable`.
+
+Tables are JSON files named ``<device>-w<world size>.json`` (``nvidia-h200-w2.json``). They are
+looked up, first found wins, in:
+
+1. the file named by ``$TPFUSE_TUNE_TABLE``;
+2. ``$TPFUSE_TABLE_DIR`` or, when that is unset, ``~/.cache/tpfuse/tables`` (where
+   ``python -m tpfuse tune`` writes);
+3. the tables shipped in ``tpfuse/select/tables`` (measured by us);
+4. conservative defaults (:data:`DEFAULT_ONESHOT_MAX_BYTES`, :data:`DEFAULT_FUSED_MAX_BYTES`).
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
 import torch
+
+ONESHOT, TWOSHOT, REFERENCE = "oneshot", "twoshot", "reference"
 
 #: dtypes the Triton kernels accept (16-bit floats: the sentinel protocol works on 16-bit words).
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 #: The kernels keep a whole row in one program's registers.
 MAX_KERNEL_HIDDEN = 16384
 HIDDEN_MULTIPLE = 8
+ELEMENT_BYTES = 2
 
-# Bytes one rank may send per call through the one-shot algorithm before it stops paying off: a
-# one-shot moves (W - 1) copies of every rank's data, so the bound shrinks with the world size.
-# Conservative defaults until `tune` (a later issue) measures the crossovers on the user's machine.
-_ONESHOT_MAX_BYTES_PER_RANK = {2: 8 << 20, 3: 6 << 20, 4: 4 << 20, 8: 2 << 20}
-_ONESHOT_MAX_BYTES_FALLBACK = 1 << 20
+# Defaults for devices and world sizes nobody measured, in bytes of x per rank. A one-shot moves W-1
+# copies of every rank's data and a two-shot about two, so the one-shot's share shrinks with W.
+DEFAULT_ONESHOT_MAX_BYTES = {2: 1 << 20, 3: 512 << 10, 4: 512 << 10, 8: 256 << 10}
+DEFAULT_ONESHOT_MAX_BYTES_OTHER = 256 << 10
+DEFAULT_FUSED_MAX_BYTES = 8 << 20
+
+SHIPPED_TABLES = Path(__file__).parent / "tables"
 
 
 def kernel_supports(hidden: int, dtype: torch.dtype) -> bool:
     """Whether the kernels can take rows of ``hidden`` elements of ``dtype`` at all."""
     return dtype in KERNEL_DTYPES and 0 < hidden <= MAX_KERNEL_HIDDEN and hidden % HIDDEN_MULTIPLE == 0
+
+
+@dataclass(frozen=True)
+class AlgorithmTable:
+    """Where each algorithm wins on one kind of device and world size.
+
+    ``limits[hidden] = (oneshot_max_tokens, fused_max_tokens)``: the one-shot serves calls of up to
+    the first count, the two-shot those up to the second, the reference path the rest. A hidden size
+    the table lacks takes the nearest listed one's limits, scaled to the same bytes per rank.
+    """
+
+    device: str
+    world_size: int
+    limits: dict[int, tuple[int, int]] = field(default_factory=dict)
+    source: str = "defaults"
+
+    def token_limits(self, hidden: int) -> tuple[int, int]:
+        """(oneshot_max_tokens, fused_max_tokens) for rows of ``hidden`` 16-bit elements."""
+        if hidden in self.limits:
+            return self.limits[hidden]
+        if not self.limits:
+            oneshot = DEFAULT_ONESHOT_MAX_BYTES.get(self.world_size, DEFAULT_ONESHOT_MAX_BYTES_OTHER)
+            row = hidden * ELEMENT_BYTES
+            return oneshot // row, DEFAULT_FUSED_MAX_BYTES // row
+        nearest = min(self.limits, key=lambda h: abs(math.log(h / hidden)))
+        return tuple(t * nearest // hidden for t in self.limits[nearest])
+
+    def to_json(self, **extra) -> dict:
+        return {"device": self.device, "world_size": self.world_size,
+                "hidden": {str(h): {"oneshot_max_tokens": a, "fused_max_tokens": b}
+                           for h, (a, b) in sorted(self.limits.items())}, **extra}
+
+    @classmethod
+    def from_json(cls, data: dict, source: str) -> AlgorithmTable:
+        limits = {int(h): (int(v["oneshot_max_tokens"]), int(v["fused_max_tokens"]))
+                  for h, v in data["hidden"].items()}
+        for hidden, (oneshot, fused) in limits.items():
+            if not 0 <= oneshot <= fused:
+                raise ValueError(f"{source}: hidden {hidden}: need 0 <= oneshot_max_tokens <= fused_max_tokens")
+        return cls(data["device"], int(data["world_size"]), limits, source)
+
+
+def device_slug(device: torch.device | str | None) -> str:
+    """The name tables are filed under: ``nvidia-h200`` for an NVIDIA H200, ``cpu`` for the CPU."""
+    device = torch.device(device or "cpu")
+    if device.type != "cuda":
+        return device.type
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+
+
+def user_table_dir() -> Path:
+    """Where ``tune`` writes tables and where they are found first."""
+    return Path(os.environ.get("TPFUSE_TABLE_DIR") or Path.home() / ".cache" / "tpfuse" / "tables")
+
+
+def table_filename(slug: str, world_size: int) -> str:
+    return f"{slug}-w{world_size}.json"
+
+
+@functools.cache
+def _load_table(slug: str, world_size: int, override: str | None, user_dir: str) -> AlgorithmTable:
+    name = table_filename(slug, world_size)
+    for path in ([Path(override)] if override else []) + [Path(user_dir) / name, SHIPPED_TABLES / name]:
+        if path.is_file():
+            table = AlgorithmTable.from_json(json.loads(path.read_text()), str(path))
+            if table.world_size != world_size:
+                raise ValueError(f"{path} is a table for {table.world_size} ranks, not {world_size}")
+            return table
+    return AlgorithmTable(slug, world_size)
+
+
+def algorithm_table(world_size: int, device: torch.device | str | None = None) -> AlgorithmTable:
+    """The table in force for ``world_size`` ranks on ``device`` (see the module docstring for the search)."""
+    return _load_table(device_slug(device), world_size, os.environ.get("TPFUSE_TUNE_TABLE"),
+                       str(user_table_dir()))
+
+
+def reload_tables() -> None:
+    """Forget loaded tables, so that a newly written one is used."""
+    _load_table.cache_clear()
 
 
 def max_token_num(
@@ -47,7 +150,7 @@ def max_token_num(
         Bytes of the communicator's per-rank region (what one rank can send in one call), as
         reported by :attr:`tpfuse.comm.Communicator.workspace_bytes`; 0 for no workspace.
     device : torch.device or str, optional
-        The device the call runs on; reserved for per-device tables.
+        The device the call runs on: it picks the algorithm table.
 
     Returns
     -------
@@ -55,11 +158,25 @@ def max_token_num(
         The limit: calls with at most this many tokens run fused, larger ones take the reference
         path (or, for the compiler pass, the unfused graph).
     """
-    del device  # one table for every device until per-device tables are measured
     if world_size < 2 or workspace_bytes <= 0 or not kernel_supports(hidden, dtype):
         return 0
-    row_bytes = hidden * torch.empty((), dtype=dtype).element_size()
-    by_workspace = workspace_bytes // row_bytes
-    by_algorithm = _ONESHOT_MAX_BYTES_PER_RANK.get(world_size, _ONESHOT_MAX_BYTES_FALLBACK) // row_bytes
-    return int(min(by_workspace, by_algorithm))
+    _, fused_max = algorithm_table(world_size, device).token_limits(hidden)
+    return int(min(workspace_bytes // (hidden * ELEMENT_BYTES), fused_max))
 
+
+def choose_algorithm(
+    n_tokens: int,
+    hidden: int,
+    dtype: torch.dtype,
+    world_size: int,
+    workspace_bytes: int,
+    device: torch.device | str | None = None,
+) -> str:
+    """:data:`ONESHOT`, :data:`TWOSHOT` or :data:`REFERENCE` for one call (same arguments as :func:`max_token_num`).
+
+    Fewer tokens than ranks always take the one-shot: the two-shot needs a row for every rank.
+    """
+    if n_tokens > max_token_num(hidden, dtype, world_size, workspace_bytes, device):
+        return REFERENCE
+    oneshot_max, _ = algorithm_table(world_size, device).token_limits(hidden)
+    return ONESHOT if n_tokens <= oneshot_max or n_tokens < world_size else TWOSHOT

@@ -1,0 +1,150 @@
+"""Two-shot fused all-reduce + residual add + RMSNorm (+ fp8) over the one-shot's workspace.
+
+For many tokens a one-shot sends every row to every peer; the two-shot sends each row once and the
+result once (reduce-scatter, then all-gather), still without a barrier round trip:
+
+    rows:    dealt round-robin to the programs as in the one-shot; row j belongs to rank
+             owner(j) = (j + j // programs) % W, so each program owns rows on every rank
+    scatter: every program stores its rows of x that another rank owns into region RANK of that
+             owner's slot
+    clear:   the previous slot, as in the one-shot
+    reduce:  for the rows it owns, a program waits for every peer's x, sums in rank order in fp32,
+             adds the residual, rounds h to the output dtype and stores that h into region RANK of
+             every peer's slot
+    gather:  for the rows others own, it waits for the owner's h in region owner(j) of its own slot
+    norm:    y is computed from the rounded h by every rank alike, so all ranks agree bit for bit
+             and only h travels (the same bytes per rank as a one-shot at W = 2, 2(W-1)/W of a row
+             instead of W-1 rows above)
+
+Words in our slot come from peers of the same call only (x rows we own, h rows they own), so the
+slot rotation, clearing and extent of the one-shot hold unchanged, and calls of the two kernels
+may follow each other in any order. A program waits only for the same program of its peers, which
+pushed before its first wait.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from tpfuse.comm.workspace import STATE_LEN, Workspace
+from tpfuse.kernels.oneshot import launch_config
+from tpfuse.kernels.protocol import (DEFAULT_MAX_SPINS, _clear_slot, _finish_call, _peer_base, _sendable,
+                                     _sendable_bits, _store_normed, _wait_row)
+
+
+@triton.jit
+def _owner(row, n_programs, WORLD: tl.constexpr):
+    return (row + row // n_programs) % WORLD
+
+
+@triton.jit
+def _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT: tl.constexpr):
+    """Store the rounded h and the y computed from it: the same code on the owner and on its peers."""
+    h = h_bits.to(h_ptr.dtype.element_ty, bitcast=True)
+    tl.store(h_ptr + offs, h, mask=mask)
+    _store_normed(h.to(tl.float32), w, y_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
+
+
+@triton.jit
+def _twoshot_allreduce_add_rmsnorm_kernel(
+    x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, scale_ptr,
+    peer_ptrs_ptr, state_ptr,
+    n_tokens, hidden, region_elems, eps, max_spins,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    if USE_PDL:  # see the one-shot kernel
+        gdc_wait()
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    call = tl.load(state_ptr + 0)
+    slot = call % 3
+    slot_base = slot.to(tl.int64) * WORLD * region_elems
+    prev_slot = (call + 2) % 3
+    prev_extent = tl.load(state_ptr + 2 + prev_slot)
+    prev_base = prev_slot.to(tl.int64) * WORLD * region_elems
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    own = _peer_base(peer_ptrs_ptr, RANK)
+    send_base = slot_base + RANK * region_elems  # where our words go in a peer's slot
+
+    # Scatter: each row we do not own goes to its owner only.
+    row = pid
+    while row < n_tokens:
+        owner = _owner(row, n_programs, WORLD)
+        if owner != RANK:
+            offs = row.to(tl.int64) * hidden + cols
+            tl.store(_peer_base(peer_ptrs_ptr, owner) + send_base + offs, _sendable_bits(x_ptr, offs, mask),
+                     mask=mask)
+        row += n_programs
+    _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
+
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    spins = 0
+    # Reduce the rows we own and send the rounded h to every peer.
+    row = pid
+    while row < n_tokens:
+        if _owner(row, n_programs, WORLD) == RANK:
+            offs = row.to(tl.int64) * hidden + cols
+            if HAS_RESIDUAL:
+                res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for r in tl.static_range(WORLD):
+                if r == RANK:
+                    bits = _sendable_bits(x_ptr, offs, mask)
+                else:
+                    bits, spins = _wait_row(own + slot_base + r * region_elems + offs, mask, spins, max_spins)
+                acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+            if HAS_RESIDUAL:
+                acc += res
+            # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
+            h_bits = _sendable(acc.to(h_ptr.dtype.element_ty).to(tl.int16, bitcast=True))
+            for r in tl.static_range(WORLD):
+                if r != RANK:
+                    tl.store(_peer_base(peer_ptrs_ptr, r) + send_base + offs, h_bits, mask=mask)
+            _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
+        row += n_programs
+    # Gather the rows the peers own.
+    row = pid
+    while row < n_tokens:
+        owner = _owner(row, n_programs, WORLD)
+        if owner != RANK:
+            offs = row.to(tl.int64) * hidden + cols
+            h_bits, spins = _wait_row(own + slot_base + owner * region_elems + offs, mask, spins, max_spins)
+            _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
+        row += n_programs
+    _finish_call(state_ptr, call, slot, n_tokens * hidden, spins, max_spins, n_programs, True)
+
+
+def twoshot_allreduce_add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    y: torch.Tensor,
+    h: torch.Tensor,
+    workspace: Workspace,
+    rank: int,
+    world_size: int,
+    max_programs: int,
+    quant_scale: torch.Tensor | None = None,
+    max_spins: int = DEFAULT_MAX_SPINS,
+) -> None:
+    """Launch the two-shot kernel: writes ``y`` and ``h``. Same contract as the one-shot launcher."""
+    n_tokens, hidden = x.shape
+    assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
+    block_h, num_warps, use_pdl = launch_config(hidden, x.device)
+    _twoshot_allreduce_add_rmsnorm_kernel[(min(n_tokens, max_programs),)](
+        x, residual if residual is not None else x, weight,
+        y.view(torch.uint8) if quant_scale is not None else y, h,
+        quant_scale if quant_scale is not None else weight,
+        workspace.peer_ptrs, workspace.state,
+        n_tokens, hidden, workspace.region_elems, eps, max_spins,
+        RANK=rank, WORLD=world_size, BLOCK_H=block_h,
+        HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None, USE_PDL=use_pdl,
+        num_warps=num_warps, launch_pdl=use_pdl,
+    )

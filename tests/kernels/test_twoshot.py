@@ -1,0 +1,73 @@
+"""The two-shot kernel: uneven token counts, fewer tokens than ranks, mixing with the one-shot."""
+
+import contextlib
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+from conftest import BACKENDS, rank_device
+
+import tpfuse
+from tpfuse import select
+from tpfuse.comm.workspace import NUM_SLOTS, SENTINEL, STATE_CALL
+from tpfuse.testing.cases import Case, check_results
+
+
+@contextlib.contextmanager
+def forced_table(world_size: int, device, oneshot_max: int, fused_max: int = 4096):
+    """Every hidden size takes the one-shot up to ``oneshot_max`` tokens and the two-shot above it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "table.json")
+        limits = {h: (oneshot_max, fused_max) for h in (8, 512, 2880, 4096)}
+        data = select.AlgorithmTable(select.device_slug(device), world_size, limits).to_json()
+        with open(path, "w") as fh:
+            json.dump(data, fh)
+        os.environ["TPFUSE_TUNE_TABLE"] = path
+        try:
+            yield
+        finally:
+            del os.environ["TPFUSE_TUNE_TABLE"]
+
+
+def _sequence(rank, world_size, backend, cases, oneshot_max):
+    device = rank_device(backend, rank)
+    comm = tpfuse.get_communicator(max_tokens=40, hidden=4096)
+    tpfuse.reset_stats()
+    out, cleared, chosen = [], [], []
+    with forced_table(world_size, device, oneshot_max):
+        for case in cases:
+            chosen.append(comm.choose_algorithm(case.tokens, case.hidden, case.dtype))
+            inp = case.inputs(world_size, device)
+            y, h = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps,
+                                                quant_scale=inp["quant_scale"])
+            out.append((y.cpu(), h.cpu()))
+            if device.type == "cpu":  # the previous call's slot is all sentinel again
+                call = int(comm.workspace.state[STATE_CALL])
+                prev = comm.workspace._keep_alive[rank].view(NUM_SLOTS, world_size, -1)[(call - 2) % NUM_SLOTS]
+                others = [r for r in range(world_size) if r != rank]
+                cleared.append(bool((prev[others] == SENTINEL).all()) if call >= 2 else True)
+    return out, cleared, chosen, tpfuse.stats()
+
+
+# Token counts not divisible by the world size, fewer tokens than ranks, more tokens than programs
+# (4 on the CPU), hidden sizes that change every call.
+SEQUENCE = [(5, 4096), (1, 512), (17, 4096), (3, 512), (2, 2880), (16, 8), (40, 4096), (9, 512), (7, 2880)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("oneshot_max", [0, 4])
+def test_twoshot_sequences(rank_pool, backend, world_size, oneshot_max):
+    cases = [Case(t, h, torch.bfloat16 if i % 2 else torch.float16, residual=i % 3 != 0, seed=i,
+                  quant_scale=0.05 if i == 4 else None)
+             for i, (t, h) in enumerate(SEQUENCE)]
+    results = rank_pool(world_size, backend).run(_sequence, backend, cases, oneshot_max)
+    for i, case in enumerate(cases):
+        check_results(case, world_size, [res[0][i] for res in results])
+    expected = ["oneshot" if t <= oneshot_max or t < world_size else "twoshot" for t, _ in SEQUENCE]
+    for _, cleared, chosen, stats in results:
+        assert all(cleared), cleared
+        assert chosen == expected
+        assert stats == {f"triton.{a}": expected.count(a) for a in set(expected)}
