@@ -1,31 +1,54 @@
-"""Command line: ``python -m tpfuse {demo,bench}``."""
+"""Command line: ``python -m tpfuse {demo,bench,tune,info}``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+POWERS_OF_TWO_TO_8192 = ",".join(str(1 << i) for i in range(14))
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tpfuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the fused op on several ranks and check it")
+    demo = sub.add_parser("demo", help="compile a TP Llama with the fusion pass and check it (CPU ranks or GPUs)")
     demo.add_argument("--world-size", type=int, default=None)
     bench = sub.add_parser("bench", help="benchmarks (run under torchrun on GPUs)")
     bench.add_argument("what", choices=["kernel"])
     bench.add_argument("--hidden", default="4096,7168,8192")
-    bench.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,512")
-    bench.add_argument("--providers", default="tpfuse,nccl,symm_mem,flashinfer")
+    bench.add_argument("--tokens", default=POWERS_OF_TWO_TO_8192)
+    bench.add_argument("--providers", default="tpfuse,nccl,symm_mem,flashinfer",
+                       help="tpfuse, tpfuse:oneshot, tpfuse:twoshot, tpfuse:<variant>, nccl, symm_mem, flashinfer")
     bench.add_argument("--out", default="results")
+    tune = sub.add_parser("tune", help="measure where each algorithm wins here; write the table (torchrun)")
+    tune.add_argument("--hidden", default="4096,7168,8192")
+    tune.add_argument("--tokens", default=POWERS_OF_TWO_TO_8192)
+    tune.add_argument("--out", default=None, help="table file (default: the user table directory)")
+    info = sub.add_parser("info", help="versions, GPUs, peer access, backend, and the algorithm per call size")
+    info.add_argument("--hidden", type=int, default=4096)
+    info.add_argument("--world-size", type=int, default=None)
+    info.add_argument("--max-tokens", type=int, default=None, help="workspace rows of hidden 8192 (default 512)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from tpfuse.demo import run_demo
 
         return run_demo(args.world_size)
+    if args.command == "tune":
+        from tpfuse.bench.tune import run_tune
+
+        return run_tune(_ints(args.hidden), _ints(args.tokens), args.out)
+    if args.command == "info":
+        from tpfuse.comm.communicator import DEFAULT_MAX_TOKENS
+        from tpfuse.info import run_info
+
+        return run_info(args.hidden, args.world_size, args.max_tokens or DEFAULT_MAX_TOKENS)
     from tpfuse.bench.kernel import run_kernel_bench
 
-    return run_kernel_bench([int(h) for h in args.hidden.split(",")], [int(t) for t in args.tokens.split(",")],
-                            args.providers.split(","), args.out)
+    return run_kernel_bench(_ints(args.hidden), _ints(args.tokens), args.providers.split(","), args.out)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import sys
 import threading
 
 import pytest
+import torch
 import torch.distributed as dist
 from conftest import BACKENDS
 
@@ -112,3 +113,30 @@ def _capture_refuses_allocation(rank, world_size):
 def test_workspace_allocation_during_graph_capture_raises(rank_pool):
     for message in rank_pool(2, "nccl").run(_capture_refuses_allocation):
         assert message and "capture" in message, message
+
+
+def _backend_choice(rank, world_size):
+    report = {}
+    for bad, expected in (("nccl", "unknown backend 'nccl'"), ("flashinfer", "flashinfer backend needs CUDA")):
+        try:
+            tpfuse.get_communicator(dist.new_group(list(range(world_size))), backend=bad)
+            report[bad] = "no error"
+        except ValueError as exc:
+            report[bad] = expected in str(exc) or str(exc)
+    group = dist.new_group(list(range(world_size)))
+    comm = tpfuse.get_communicator(group, backend="reference")
+    report["reference has no workspace"] = comm.workspace_bytes == 0 and comm.max_token_num(4096, torch.bfloat16) == 0
+    report["same object without a backend"] = tpfuse.get_communicator(group) is comm
+    try:
+        tpfuse.get_communicator(group, backend="triton")
+        report["mismatch"] = "no error"
+    except ValueError as exc:
+        report["mismatch"] = "already has a communicator with backend 'reference'" in str(exc) or str(exc)
+    tpfuse.destroy_all()
+    return report
+
+
+def test_backend_choice_and_errors(rank_pool):
+    for report in rank_pool(2).run(_backend_choice):
+        failed = {name: ok for name, ok in report.items() if ok is not True}
+        assert not failed, failed

@@ -1,0 +1,144 @@
+"""What the benchmarks and ``tune`` time: tpfuse's algorithms and the baselines, over one set of inputs.
+
+Every provider computes y = RMSNorm(allreduce(x) + residual) * weight and h from the same inputs:
+
+- ``tpfuse``: the op as users call it (the algorithm the table picks);
+- ``tpfuse:oneshot`` / ``tpfuse:twoshot``: one algorithm, forced;
+- ``tpfuse:<variant>``: a one-shot launch variant (:data:`ONESHOT_VARIANTS`, docs/kernel-notes.md);
+- ``nccl+norm``: the group's all-reduce plus a compiled add + RMSNorm (the unfused model);
+- ``symm_oneshot+norm``: torch symmetric memory's one-shot all-reduce plus the same norm;
+- ``fi_oneshot`` / ``fi_twoshot``: FlashInfer's fused kernel, when importable.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+EPS = 1e-6
+
+# One-shot launch variants that can be timed beside the default as providers "tpfuse:<name>".
+ONESHOT_VARIANTS = {
+    "nopdl": dict(pdl=False),
+    "clear_last": dict(clear_first=False),
+    "acq_rel": dict(relaxed_arrive=False),
+}
+
+
+class Providers:
+    """Resources of every requested provider, created once for calls of up to ``max_tokens`` x ``max_hidden``.
+
+    ``requested`` holds the names of the command line: ``tpfuse``, ``tpfuse:<algorithm or variant>``,
+    ``nccl``, ``symm_mem``, ``flashinfer``.
+    """
+
+    def __init__(self, requested: list[str], max_tokens: int, max_hidden: int):
+        import tpfuse
+        from tpfuse.kernels.reference import add_rmsnorm_reference
+
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.requested = requested
+        self.group_name = dist.group.WORLD.group_name
+        self.comm = tpfuse.get_communicator(max_tokens=max_tokens, hidden=max_hidden)
+        self.fi = None
+        if "flashinfer" in requested:
+            from tpfuse.comm.flashinfer import FlashInferWorkspace
+
+            try:
+                self.fi = FlashInferWorkspace(dist.group.WORLD, max_tokens, max_hidden)
+            except ImportError as exc:
+                if self.rank == 0:
+                    print(f"{exc}; skipping it")
+        if "symm_mem" in requested:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            from tpfuse.comm.workspace import enable_symm_mem
+
+            enable_symm_mem(self.group_name)
+            self.symm_buf = symm_mem.empty(max_tokens * max_hidden, device="cuda", dtype=torch.bfloat16)
+            symm_mem.rendezvous(self.symm_buf, self.group_name)
+        # The baselines' add + RMSNorm: the reference path's own torch code, compiled.
+        self._norm = torch.compile(add_rmsnorm_reference, dynamic=True)
+
+    def release(self) -> None:
+        if self.fi is not None:
+            self.fi.release()
+
+    def calls(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+        """name -> a function that runs that provider once and returns its y (outputs preallocated)."""
+        import tpfuse
+        from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
+        from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+
+        n, hidden = x.shape
+        comm = self.comm
+        y, h = torch.empty_like(x), torch.empty_like(x)
+        out: dict[str, Callable[[], torch.Tensor]] = {}
+
+        def norm(reduced):
+            return self._norm(reduced, residual, weight, EPS)[0]
+
+        def ours():
+            return tpfuse.allreduce_add_rmsnorm(x, residual, weight, EPS, out=y, residual_out=h)[0]
+
+        def launcher(launch, **kwargs):
+            def call():
+                launch(x, residual, weight, EPS, y, h, comm.workspace, comm.rank, comm.world_size,
+                       comm.max_programs, **kwargs)
+                return y
+            return call
+
+        for name in self.requested:
+            if name == "tpfuse":
+                out[name] = ours
+            elif name == "tpfuse:oneshot":
+                out[name] = launcher(oneshot_allreduce_add_rmsnorm)
+            elif name == "tpfuse:twoshot":
+                out[name] = launcher(twoshot_allreduce_add_rmsnorm)
+            elif name.startswith("tpfuse:"):
+                variant = OneShotVariant(**ONESHOT_VARIANTS[name.split(":", 1)[1]])
+                out[name] = launcher(oneshot_allreduce_add_rmsnorm, variant=variant)
+            elif name == "nccl":
+                def nccl():
+                    reduced = x.clone()
+                    dist.all_reduce(reduced)
+                    return norm(reduced)
+                out["nccl+norm"] = nccl
+            elif name == "symm_mem":
+                def symm_oneshot():
+                    buf = self.symm_buf[: n * hidden].view(n, hidden)
+                    buf.copy_(x)
+                    return norm(torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group_name))
+                out["symm_oneshot+norm"] = symm_oneshot
+            elif name == "flashinfer" and self.fi is not None:
+                fi_y, fi_h = torch.empty_like(x), torch.empty_like(x)
+                for label, algorithm in (("fi_oneshot", "oneshot"), ("fi_twoshot", "twoshot")):
+                    if algorithm == "twoshot" and n <= self.world:
+                        continue
+
+                    def fi_call(algorithm=algorithm):
+                        self.fi.run(algorithm, x, residual, weight, EPS, fi_y, fi_h)
+                        return fi_y
+                    out[label] = fi_call
+        return out
+
+
+def peer_copy_gbps(n_bytes: int) -> float:
+    """One rank's copy of ``n_bytes`` into its next peer's memory, GB/s: the ceiling for any push kernel."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from tpfuse.bench.timing import graph_replay_us
+    from tpfuse.comm.workspace import enable_symm_mem
+
+    group_name = dist.group.WORLD.group_name
+    enable_symm_mem(group_name)
+    n = n_bytes // 2
+    buf = symm_mem.empty(n, device="cuda", dtype=torch.bfloat16)
+    handle = symm_mem.rendezvous(buf, group_name)
+    src = torch.randn(n, device="cuda").bfloat16()
+    peer = handle.get_buffer((dist.get_rank() + 1) % dist.get_world_size(), (n,), torch.bfloat16)
+    us = graph_replay_us(lambda: peer.copy_(src), calls_per_graph=4, replays=10)
+    dist.barrier()
+    return n_bytes / us / 1e3
