@@ -125,19 +125,32 @@ def _fusion_limit(gm: torch.fx.GraphModule) -> tuple[int, object]:
 
 
 def _token_reader(gm: torch.fx.GraphModule, token_dim):
-    """A function of the compiled graph's runtime arguments that returns the token count."""
+    """A function of the compiled graph's runtime arguments that returns the token count.
+
+    The count may be a product of symbols (batch x sequence flattened): every symbol is read from
+    the input that carries it, then the expression is evaluated.
+    """
     if isinstance(token_dim, int):
         return lambda args: token_dim
+    import sympy
+
     expr = token_dim.node.expr
+    readers = {}
     for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         value = node.meta.get("example_value")
-        if isinstance(value, torch.SymInt) and value.node.expr == expr:
-            return lambda args, i=i: int(args[i])
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.SymInt) and value.node.expr.is_Symbol:
+            readers.setdefault(value.node.expr, lambda args, i=i: int(args[i]))
+        elif isinstance(value, torch.Tensor):
             for d, size in enumerate(value.shape):
-                if isinstance(size, torch.SymInt) and size.node.expr == expr:
-                    return lambda args, i=i, d=d: args[i].shape[d]
-    raise RuntimeError("tpfuse: cannot find the token count among the graph's inputs")
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                    readers.setdefault(size.node.expr, lambda args, i=i, d=d: args[i].shape[d])
+    symbols = sorted(expr.free_symbols, key=str)
+    if any(sym not in readers for sym in symbols):
+        raise RuntimeError(f"tpfuse: cannot find the token count {expr} among the graph's inputs")
+    if expr.is_Symbol:
+        return readers[expr]
+    evaluate = sympy.lambdify(symbols, expr, "math")
+    return lambda args: int(evaluate(*(readers[sym](args) for sym in symbols)))
 
 
 class TpfuseBackend:

@@ -3,7 +3,9 @@
 Column-parallel projections in, row-parallel out, one all-reduce at the end of attention and of the
 MLP, each followed by a residual add and an RMSNorm: the sites tpfuse fuses. The RMSNorm can be
 written three ways (``norm_style``) and the all-reduce two ways (``all_reduce_style``), as the models
-users compile are.
+users compile are. Grouped-query attention with a static KV cache (``setup_caches``) for decoding;
+the output head is split over the vocabulary and its logits gathered, as inference engines do.
+The residual stream is [tokens, dim] with batch and sequence flattened, as in vLLM.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class ModelArgs:
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
+    n_kv_heads: int | None = None  # grouped-query attention; None means n_heads
     intermediate: int = 14336
     vocab_size: int = 32000
     norm_eps: float = 1e-5
@@ -32,12 +35,18 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
 
 PRESETS = {
-    "tiny": ModelArgs(dim=64, n_layers=4, n_heads=4, intermediate=128, vocab_size=256, norm_eps=1e-6),
-    "llama-3-8b": ModelArgs(dim=4096, n_layers=4, n_heads=32, intermediate=14336, vocab_size=128256),
-    "llama-3-70b": ModelArgs(dim=8192, n_layers=2, n_heads=64, intermediate=28672, vocab_size=128256),
-    "dense-7168": ModelArgs(dim=7168, n_layers=2, n_heads=56, intermediate=18432, vocab_size=129280),
+    "tiny": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate=128, vocab_size=256, norm_eps=1e-6),
+    "llama-3-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate=14336, vocab_size=128256),
+    # 80 layers do not fit in two GPUs: the 70B's layer shapes, fewer of them.
+    "llama-3-70b": ModelArgs(dim=8192, n_layers=8, n_heads=64, n_kv_heads=8, intermediate=28672, vocab_size=128256),
+    # A dense stand-in with DeepSeek-V3's hidden size (its attention is MLA, its MLP mostly experts).
+    "dense-7168": ModelArgs(dim=7168, n_layers=8, n_heads=56, n_kv_heads=8, intermediate=18432, vocab_size=129280),
 }
 
 
@@ -80,6 +89,10 @@ def make_norm(args: ModelArgs) -> nn.Module:
     raise ValueError(f"unknown norm_style {args.norm_style!r}")
 
 
+# torch 2.13 renamed the functional all-gather; 2.11 has only the old name.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
 def all_reduce(x: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     if dist.get_world_size() == 1:
         return x
@@ -92,16 +105,31 @@ def all_reduce(x: torch.Tensor, args: ModelArgs) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, world_size: int):
         super().__init__()
-        self.args, self.n_local_heads = args, args.n_heads // world_size
-        local = self.n_local_heads * args.head_dim
-        self.wqkv = nn.Linear(args.dim, 3 * local, bias=False)  # column parallel
-        self.wo = nn.Linear(local, args.dim, bias=False)  # row parallel: partial sums
+        self.args = args
+        self.n_local_heads, self.n_local_kv_heads = args.n_heads // world_size, args.kv_heads // world_size
+        q, kv = self.n_local_heads * args.head_dim, self.n_local_kv_heads * args.head_dim
+        self.wqkv = nn.Linear(args.dim, q + 2 * kv, bias=False)  # column parallel
+        self.wo = nn.Linear(q, args.dim, bias=False)  # row parallel: partial sums
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, x):
-        tokens = x.shape[0]
-        q, k, v = self.wqkv(x).view(tokens, 3, self.n_local_heads, self.args.head_dim).unbind(1)
-        y = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-        return all_reduce(self.wo(y.transpose(0, 1).reshape(tokens, -1)), self.args)
+    def forward(self, x, batch: int, input_pos: torch.Tensor | None, mask: torch.Tensor | None):
+        head_dim = self.args.head_dim
+        seq = x.shape[0] // batch
+        q, k, v = self.wqkv(x).view(batch, seq, -1).split(
+            [self.n_local_heads * head_dim, self.n_local_kv_heads * head_dim, self.n_local_kv_heads * head_dim], -1)
+        q, k, v = (t.reshape(batch, seq, -1, head_dim).transpose(1, 2) for t in (q, k, v))
+        if input_pos is not None:  # decode or prefill into the static cache, attend over all of it
+            k_cache, v_cache = (c[:batch] for c in self.kv_cache)
+            k_cache.index_copy_(2, input_pos, k)
+            v_cache.index_copy_(2, input_pos, v)
+            k, v = k_cache, v_cache
+        repeat = self.n_local_heads // self.n_local_kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return all_reduce(self.wo(y.transpose(1, 2).reshape(batch * seq, -1)), self.args)
 
 
 class FeedForward(nn.Module):
@@ -122,30 +150,53 @@ class TransformerBlock(nn.Module):
         self.attention, self.feed_forward = Attention(args, world_size), FeedForward(args, world_size)
         self.attention_norm, self.ffn_norm = make_norm(args), make_norm(args)
 
-    def forward(self, x):
-        h = x + self.attention(self.attention_norm(x))
+    def forward(self, x, batch, input_pos, mask):
+        h = x + self.attention(self.attention_norm(x), batch, input_pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
-    """Token ids [T] (one sequence, causal) -> logits [T, vocab]; tensor parallel over the default group."""
+    """Token ids [T] or [batch, T] -> logits [T, vocab] or [batch, T, vocab]; tensor parallel over the default group.
+
+    Without ``input_pos`` each call is a fresh causal sequence. After :meth:`setup_caches`, pass the
+    positions ``input_pos`` [T] the tokens take: their keys and values go into the cache and they
+    attend to every earlier position (prefill, then one token a step for decoding).
+    """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if args.n_heads % world or args.intermediate % world:
-            raise ValueError(f"{args} does not split over {world} ranks")
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        if args.n_heads % self.world or args.kv_heads % self.world or args.intermediate % self.world \
+                or args.vocab_size % self.world:
+            raise ValueError(f"{args} does not split over {self.world} ranks")
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, world) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, self.world) for _ in range(args.n_layers))
         self.norm = make_norm(args)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = nn.Linear(args.dim, args.vocab_size // self.world, bias=False)  # vocabulary parallel
+        self.causal_mask: torch.Tensor | None = None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(tokens)
+    def setup_caches(self, max_batch: int, max_seq: int) -> None:
+        """Allocate the static KV cache for up to ``max_batch`` sequences of ``max_seq`` positions."""
+        param = self.output.weight
         for layer in self.layers:
-            x = layer(x)
-        return self.output(self.norm(x))
+            attn = layer.attention
+            shape = (max_batch, attn.n_local_kv_heads, max_seq, self.args.head_dim)
+            attn.kv_cache = tuple(torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(2))
+        self.causal_mask = torch.tril(torch.ones(max_seq, max_seq, dtype=torch.bool, device=param.device))
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        batched = tokens.dim() == 2
+        batch = tokens.shape[0] if batched else 1
+        mask = None if input_pos is None else self.causal_mask[input_pos]
+        x = self.tok_embeddings(tokens.reshape(-1))
+        for layer in self.layers:
+            x = layer(x, batch, input_pos, mask)
+        logits = self.output(self.norm(x))
+        if self.world > 1:  # every rank holds a slice of the vocabulary: gather them
+            parts = _all_gather(logits, 0, dist.group.WORLD).view(self.world, *logits.shape)
+            logits = parts.permute(1, 0, 2).reshape(logits.shape[0], -1)
+        return logits.view(batch, -1, logits.shape[-1]) if batched else logits
 
     @classmethod
     def build(cls, preset: str | ModelArgs, *, seed: int = 0, dtype=torch.bfloat16, device="cpu", **overrides):
@@ -155,11 +206,12 @@ class Transformer(nn.Module):
         torch.manual_seed(seed + (dist.get_rank() if dist.is_initialized() else 0))
         model = cls(args)
         torch.manual_seed(seed)  # replicated: embeddings, norms, output
-        for module in [model.tok_embeddings, model.output, model.norm,
+        for module in [model.tok_embeddings, model.norm,
                        *[n for layer in model.layers for n in (layer.attention_norm, layer.ffn_norm)]]:
             for p in module.parameters():
                 nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.1 if p.dim() == 1 else 0.02)
         torch.manual_seed(seed + 1000 + (dist.get_rank() if dist.is_initialized() else 0))  # shards
+        nn.init.normal_(model.output.weight, std=0.02)
         for layer in model.layers:
             for lin in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2):
                 nn.init.normal_(lin.weight, std=lin.in_features ** -0.5)
