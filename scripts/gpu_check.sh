@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run, in one call: GPU tests, graph-replay soak, tune, kernel
 # benchmark; a short table last.
-# Usage (device tool, carry [".anchors"] for FlashInfer): bash scripts/gpu_check.sh [quick|variants]
+# Usage (device tool, carry [".anchors"] for FlashInfer): bash scripts/gpu_check.sh [quick|variants|e2e]
 # Needs: 2+ GPUs, python3 with torch (>= 2.11) and triton; nothing is installed from a registry.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,15 @@ if [ -f .anchors/setup.sh ]; then bash .anchors/setup.sh .anchors 2>&1 | tail -1
 python3 -m tpfuse info --hidden 8192 | tee "$OUT/info.log"
 
 status=0
+E2E_LAYERS=${E2E_LAYERS:-8}
+e2e() {
+  echo "== end to end: TP llama-3-8b shapes ($E2E_LAYERS layers), decode steps and prefill, CUDA graphs =="
+  timeout 420 torchrun --nproc_per_node="$NGPU" -m tpfuse bench e2e --layers "$E2E_LAYERS" --out "$OUT" \
+    > "$OUT/e2e.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/e2e.log" | tail -9
+}
+if [ "$MODE" = e2e ]; then e2e; exit $status; fi
+
 echo "== GPU tests (NCCL ranks; kernels compiled for the GPU; FlashInfer backend; the compiler pass) =="
 TPFUSE_GRAPH_REPLAYS=${TPFUSE_GRAPH_REPLAYS:-100000} timeout 300 \
   python3 -m pytest tests -q -x -k "nccl or fp8 or graph or reduce_overhead or flashinfer" -p no:cacheprovider \
@@ -45,4 +54,5 @@ echo "== kernel benchmark (tpfuse as the op picks, each algorithm forced, NCCL, 
 timeout 300 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --tokens "$TOKENS" \
   --providers tpfuse,tpfuse:oneshot,tpfuse:twoshot,nccl,flashinfer --out "$OUT" > "$OUT/bench.log" 2>&1 || status=1
 grep -v "^hidden=" "$OUT/bench.log" | grep -v -i warn | tail -62
+e2e
 exit $status

@@ -18,11 +18,16 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="compile a TP Llama with the fusion pass and check it (CPU ranks or GPUs)")
     demo.add_argument("--world-size", type=int, default=None)
     bench = sub.add_parser("bench", help="benchmarks (run under torchrun on GPUs)")
-    bench.add_argument("what", choices=["kernel"])
-    bench.add_argument("--hidden", default="4096,7168,8192")
-    bench.add_argument("--tokens", default=POWERS_OF_TWO_TO_8192)
-    bench.add_argument("--providers", default="tpfuse,nccl,symm_mem,flashinfer",
-                       help="tpfuse, tpfuse:oneshot, tpfuse:twoshot, tpfuse:<variant>, nccl, symm_mem, flashinfer")
+    bench.add_argument("what", choices=["kernel", "e2e"])
+    bench.add_argument("--hidden", default="4096,7168,8192", help="kernel")
+    bench.add_argument("--tokens", default=POWERS_OF_TWO_TO_8192, help="kernel")
+    bench.add_argument("--providers", default=None,
+                       help="kernel: tpfuse, tpfuse:oneshot, tpfuse:twoshot, tpfuse:<variant>, nccl, symm_mem, "
+                            "flashinfer (default tpfuse,nccl,symm_mem,flashinfer); e2e: unfused, tpfuse, flashinfer")
+    bench.add_argument("--preset", default="llama-3-8b", help="e2e: model preset")
+    bench.add_argument("--layers", type=int, default=None, help="e2e: layers (default: the preset's)")
+    bench.add_argument("--batches", default="1,8,32,64", help="e2e: decode batch sizes")
+    bench.add_argument("--prefill", type=int, default=2048, help="e2e: prefill tokens (and KV cache length)")
     bench.add_argument("--out", default="results")
     tune = sub.add_parser("tune", help="measure where each algorithm wins here; write the table (torchrun)")
     tune.add_argument("--hidden", default="4096,7168,8192")
@@ -46,9 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         from tpfuse.info import run_info
 
         return run_info(args.hidden, args.world_size, args.max_tokens or DEFAULT_MAX_TOKENS)
+    if args.what == "e2e":
+        from tpfuse.bench.e2e import PROVIDERS, run_e2e_bench
+
+        providers = args.providers.split(",") if args.providers else list(PROVIDERS)
+        return run_e2e_bench(args.preset, args.layers, _ints(args.batches), args.prefill, providers, args.out)
     from tpfuse.bench.kernel import run_kernel_bench
 
-    return run_kernel_bench(_ints(args.hidden), _ints(args.tokens), args.providers.split(","), args.out)
+    providers = args.providers or "tpfuse,nccl,symm_mem,flashinfer"
+    return run_kernel_bench(_ints(args.hidden), _ints(args.tokens), providers.split(","), args.out)
 
 
 if __name__ == "__main__":

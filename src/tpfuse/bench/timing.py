@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -43,3 +44,11 @@ def graph_replay_us(fn: Callable[[], object], calls_per_graph: int = 10, replays
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     del graph
     return t.item()
+
+
+def progress(done: int, total: int, label: str) -> None:
+    """A one-line progress bar on stderr (rank 0 calls it)."""
+    filled = 30 * done // max(total, 1)
+    end = "\n" if done >= total else ""
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} {label:<40}{end}")
+    sys.stderr.flush()

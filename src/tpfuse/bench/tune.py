@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tpfuse import select
 from tpfuse.bench.kernel import finish_torchrun, init_torchrun
 from tpfuse.bench.providers import Providers
-from tpfuse.bench.timing import graph_replay_us
+from tpfuse.bench.timing import graph_replay_us, progress
 
 PROVIDERS = ["tpfuse:oneshot", "tpfuse:twoshot", "nccl"]
 
@@ -51,12 +51,6 @@ def derive_limits(times: dict[int, dict[str, float]], world_size: int) -> tuple[
     return oneshot_max, fused_max, reasons
 
 
-def _progress(done: int, total: int, label: str) -> None:
-    filled = 30 * done // total
-    sys.stderr.write(f"\rtune [{'#' * filled}{'.' * (30 - filled)}] {done}/{total} {label:<28}")
-    sys.stderr.flush()
-
-
 def tune_rank(hiddens: list[int], tokens: list[int]) -> dict[int, dict[int, dict[str, float]]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     resources = Providers(PROVIDERS, max(tokens), max(hiddens))
@@ -67,7 +61,7 @@ def tune_rank(hiddens: list[int], tokens: list[int]) -> dict[int, dict[int, dict
         times[hidden] = {}
         for n in tokens:
             if rank == 0:
-                _progress(done, total, f"hidden {hidden}, {n} tokens")
+                progress(done, total, f"tune: hidden {hidden}, {n} tokens")
             x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
             residual = torch.randn_like(x)
             times[hidden][n] = {name: graph_replay_us(call)
@@ -75,8 +69,7 @@ def tune_rank(hiddens: list[int], tokens: list[int]) -> dict[int, dict[int, dict
                                 if not (name == "tpfuse:twoshot" and n < world)}
             done += 1
     if rank == 0:
-        _progress(done, total, "done")
-        sys.stderr.write("\n")
+        progress(done, total, "tune: done")
     resources.release()
     return times
 

@@ -110,7 +110,8 @@ class Attention(nn.Module):
         q, kv = self.n_local_heads * args.head_dim, self.n_local_kv_heads * args.head_dim
         self.wqkv = nn.Linear(args.dim, q + 2 * kv, bias=False)  # column parallel
         self.wo = nn.Linear(q, args.dim, bias=False)  # row parallel: partial sums
-        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.register_buffer("k_cache", None, persistent=False)  # filled by Transformer.setup_caches
+        self.register_buffer("v_cache", None, persistent=False)
 
     def forward(self, x, batch: int, input_pos: torch.Tensor | None, mask: torch.Tensor | None):
         head_dim = self.args.head_dim
@@ -119,7 +120,7 @@ class Attention(nn.Module):
             [self.n_local_heads * head_dim, self.n_local_kv_heads * head_dim, self.n_local_kv_heads * head_dim], -1)
         q, k, v = (t.reshape(batch, seq, -1, head_dim).transpose(1, 2) for t in (q, k, v))
         if input_pos is not None:  # decode or prefill into the static cache, attend over all of it
-            k_cache, v_cache = (c[:batch] for c in self.kv_cache)
+            k_cache, v_cache = self.k_cache[:batch], self.v_cache[:batch]
             k_cache.index_copy_(2, input_pos, k)
             v_cache.index_copy_(2, input_pos, v)
             k, v = k_cache, v_cache
@@ -174,15 +175,18 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args, self.world) for _ in range(args.n_layers))
         self.norm = make_norm(args)
         self.output = nn.Linear(args.dim, args.vocab_size // self.world, bias=False)  # vocabulary parallel
-        self.causal_mask: torch.Tensor | None = None
+        self.register_buffer("causal_mask", None, persistent=False)  # filled by setup_caches
 
     def setup_caches(self, max_batch: int, max_seq: int) -> None:
         """Allocate the static KV cache for up to ``max_batch`` sequences of ``max_seq`` positions."""
+        # Buffers, not plain attributes: CUDA graphs (reduce-overhead) treat buffers as static inputs,
+        # so updating the cache in place does not make them skip the graph.
         param = self.output.weight
         for layer in self.layers:
             attn = layer.attention
             shape = (max_batch, attn.n_local_kv_heads, max_seq, self.args.head_dim)
-            attn.kv_cache = tuple(torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(2))
+            for name in ("k_cache", "v_cache"):
+                setattr(attn, name, torch.zeros(shape, dtype=param.dtype, device=param.device))
         self.causal_mask = torch.tril(torch.ones(max_seq, max_seq, dtype=torch.bool, device=param.device))
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,19 @@
+"""The end-to-end benchmark's own logic on CPU ranks: every provider runs, fuses and matches unfused."""
+
+from tpfuse.bench.e2e import e2e_rank
+
+
+def _tiny_e2e(rank, world_size):
+    return e2e_rank(rank, world_size, "tiny", None, [2], 6, ["unfused", "tpfuse", "flashinfer"],
+                    device=__import__("torch").device("cpu"), iters=1)
+
+
+def test_e2e_bench_runs_fuses_and_matches(rank_pool):
+    rows = rank_pool(2).run(_tiny_e2e)[0]
+    assert [r["workload"] for r in rows] == ["decode b2", "prefill 6"]
+    for row in rows:
+        assert row["unfused_fused_calls"] == 0
+        assert row["tpfuse_fused_calls"] == 8  # 4 layers, 2 sites each
+        assert row["tpfuse_logit_diff"] < 0.05 and row["tpfuse_argmax_agree"] >= 0.5
+        assert "flashinfer_ms" not in row  # not importable on the CPU: skipped, not failed
+        assert row["unfused_ms"] > 0 and row["tpfuse_ms"] > 0
