@@ -6,7 +6,7 @@
 """
 
 from tpfuse._stats import reset_stats, stats
-from tpfuse.comm import Communicator, destroy_all, get_communicator
+from tpfuse.comm import Communicator, check_errors, destroy_all, get_communicator
 from tpfuse import compile  # a callable module: tpfuse.compile(model, ...)
 from tpfuse.ops import allreduce_add_rmsnorm
 
@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Communicator",
     "allreduce_add_rmsnorm",
+    "check_errors",
     "compile",
     "destroy_all",
     "get_communicator",

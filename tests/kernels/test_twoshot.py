@@ -1,34 +1,13 @@
 """The two-shot kernel: uneven token counts, fewer tokens than ranks, mixing with the one-shot."""
 
-import contextlib
-import json
-import os
-import tempfile
-
 import pytest
 import torch
 from conftest import BACKENDS, rank_device
 
 import tpfuse
-from tpfuse import select
 from tpfuse.comm.workspace import NUM_SLOTS, SENTINEL, STATE_CALL
+from tpfuse.testing import forced_table
 from tpfuse.testing.cases import Case, check_results
-
-
-@contextlib.contextmanager
-def forced_table(world_size: int, device, oneshot_max: int, fused_max: int = 4096):
-    """Every hidden size takes the one-shot up to ``oneshot_max`` tokens and the two-shot above it."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "table.json")
-        limits = {h: (oneshot_max, fused_max) for h in (8, 512, 2880, 4096)}
-        data = select.AlgorithmTable(select.device_slug(device), world_size, limits).to_json()
-        with open(path, "w") as fh:
-            json.dump(data, fh)
-        os.environ["TPFUSE_TUNE_TABLE"] = path
-        try:
-            yield
-        finally:
-            del os.environ["TPFUSE_TUNE_TABLE"]
 
 
 def _sequence(rank, world_size, backend, cases, oneshot_max):

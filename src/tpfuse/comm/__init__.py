@@ -2,10 +2,11 @@
 
 from tpfuse.comm.communicator import (
     Communicator,
+    check_errors,
     destroy_all,
     get_communicator,
     lookup_communicator,
     resolve_group,
 )
 
-__all__ = ["Communicator", "destroy_all", "get_communicator", "lookup_communicator", "resolve_group"]
+__all__ = ["Communicator", "check_errors", "destroy_all", "get_communicator", "lookup_communicator", "resolve_group"]

@@ -66,7 +66,10 @@ class Communicator:
         One of :data:`BACKENDS`.
     """
 
-    def __init__(self, group: dist.ProcessGroup, max_tokens: int, hidden: int, backend: str):
+    def __init__(self, group: dist.ProcessGroup, max_tokens: int, hidden: int, backend: str,
+                 wait_timeout_s: float | None = None):
+        from tpfuse.kernels.protocol import DEFAULT_WAIT_TIMEOUT_S
+
         self.group = group
         self.group_name = group.group_name
         self.rank = dist.get_rank(group)
@@ -76,7 +79,9 @@ class Communicator:
         self.workspace: ws.Workspace | None = None
         self.flashinfer = None
         self.max_programs = 0
+        self.wait_timeout_s = float(wait_timeout_s or os.environ.get("TPFUSE_WAIT_TIMEOUT_S") or DEFAULT_WAIT_TIMEOUT_S)
         self._destroyed = False
+        self._error: str | None = None  # set once a kernel's wait ran out: the communicator is unusable
         self._allocate(max_tokens, hidden)
 
     def _allocate(self, max_tokens: int, hidden: int) -> None:
@@ -136,6 +141,8 @@ class Communicator:
     def run_fused(self, algorithm: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   eps: float, y: torch.Tensor, h: torch.Tensor, quant_scale: torch.Tensor | None) -> str:
         """Run one call that :meth:`choose_algorithm` gave to a fused kernel; return its stats label."""
+        from tpfuse.kernels.protocol import wait_limit_for
+
         if self.flashinfer is not None:
             self.flashinfer.run(algorithm, x, residual, weight, eps, y, h)
             return f"flashinfer.{algorithm}"
@@ -144,12 +151,44 @@ class Communicator:
         else:
             from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm as launch
         launch(x, residual, weight, eps, y, h, self.workspace, self.rank, self.world_size, self.max_programs,
-               quant_scale)
+               quant_scale, wait_limit=wait_limit_for(self.wait_timeout_s, self.device.type == "cuda"))
         return f"triton.{algorithm}"
 
     def check_usable(self) -> None:
+        """Raise if this communicator was destroyed or a kernel of it timed out."""
         if self._destroyed:
             raise RuntimeError(f"tpfuse: the communicator of group {self.group_name!r} was destroyed")
+        if self._error is not None:
+            raise RuntimeError(self._error)
+
+    def check_errors(self) -> None:
+        """Raise if a fused call of this group timed out waiting for a peer (reads a device flag).
+
+        On a GPU this synchronises with the device, so call it where you synchronise anyway (after a
+        decode step, say); on the CPU and with ``TPFUSE_DEBUG=1`` every call checks by itself. After a
+        timeout the workspace holds data of an unfinished call: the communicator stays unusable
+        (every later call raises) until it is destroyed and created again, on every rank.
+        """
+        self.check_usable()
+        if self.workspace is None:
+            return
+        state = self.workspace.state.tolist()
+        if state[ws.STATE_ERROR]:
+            self._error = (
+                f"tpfuse: group {self.group_name!r} rank {self.rank}: fused call #{state[ws.STATE_ERROR]} "
+                f"({state[ws.STATE_ERROR_TOKENS]} x {state[ws.STATE_ERROR_HIDDEN]}) gave up after waiting "
+                f"{self.wait_timeout_s:g} s for a peer: a rank stalled or died, or the ranks' calls did not "
+                "match (TPFUSE_DEBUG=1 compares them). Destroy this communicator and create a new one.")
+            raise RuntimeError(self._error)
+
+    def check_call_matches(self, n_tokens: int, hidden: int, dtype: torch.dtype, algorithm: str) -> None:
+        """Debug mode: compare this call with every rank's (a collective); raise naming any mismatch."""
+        mine = (n_tokens, hidden, str(dtype).replace("torch.", ""), algorithm)
+        calls = [None] * self.world_size
+        dist.all_gather_object(calls, mine, group=self.group)
+        if any(call != mine for call in calls):
+            detail = "; ".join(f"rank {r}: {c[0]} x {c[1]} {c[2]} {c[3]}" for r, c in enumerate(calls))
+            raise RuntimeError(f"tpfuse: group {self.group_name!r}: the ranks' fused calls differ ({detail})")
 
     def ensure_capacity(self, max_tokens: int, hidden: int) -> None:
         """Grow the workspace to hold ``max_tokens`` rows of ``hidden`` (collective when it grows)."""
@@ -197,6 +236,7 @@ def get_communicator(
     max_tokens: int | None = None,
     hidden: int | None = None,
     backend: str | None = None,
+    wait_timeout_s: float | None = None,
 ) -> Communicator:
     """Return the one communicator of ``group``, creating it on first use.
 
@@ -214,6 +254,9 @@ def get_communicator(
     backend : str, optional
         ``"triton"`` (default), ``"flashinfer"`` or ``"reference"``; ``$TPFUSE_BACKEND`` sets the
         default. Fixed when the communicator is created: asking for another one later raises.
+    wait_timeout_s : float, optional
+        How long a kernel waits for a peer before it gives up and flags an error (default 10 s, or
+        ``$TPFUSE_WAIT_TIMEOUT_S``); see :meth:`Communicator.check_errors`.
     """
     group = resolve_group(group)
     chosen = backend or os.environ.get("TPFUSE_BACKEND") or "triton"
@@ -222,7 +265,8 @@ def get_communicator(
     with _registry_lock:
         comm = _registry.get(group.group_name)
         if comm is None:
-            comm = Communicator(group, max_tokens or DEFAULT_MAX_TOKENS, hidden or DEFAULT_HIDDEN, chosen)
+            comm = Communicator(group, max_tokens or DEFAULT_MAX_TOKENS, hidden or DEFAULT_HIDDEN, chosen,
+                                wait_timeout_s)
             _registry[group.group_name] = comm
             return comm
         if backend is not None and comm.backend != backend:
@@ -237,6 +281,14 @@ def lookup_communicator(group_name: str) -> Communicator | None:
     """The registered communicator of a group, or None; never creates one (used by the op and pass)."""
     with _registry_lock:
         return _registry.get(group_name)
+
+
+def check_errors() -> None:
+    """:meth:`Communicator.check_errors` for every registered communicator."""
+    with _registry_lock:
+        comms = list(_registry.values())
+    for comm in comms:
+        comm.check_errors()
 
 
 def destroy_all() -> None:

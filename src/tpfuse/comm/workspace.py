@@ -24,7 +24,9 @@ NUM_SLOTS = 3
 STATE_CALL = 0  # calls completed: selects the slot (call % NUM_SLOTS)
 STATE_ARRIVED = 1  # programs of the running call that have finished
 STATE_EXTENT = 2  # NUM_SLOTS entries: elements per rank written into each slot by its last call
-STATE_ERROR = 5  # set by a kernel whose wait for a peer ran out
+STATE_ERROR = 5  # 0, or the number (1-based) of a call whose wait for a peer ran out
+STATE_ERROR_TOKENS = 6  # that call's token count
+STATE_ERROR_HIDDEN = 7  # and hidden size
 STATE_LEN = 8
 
 SHM_DIR = "/dev/shm"

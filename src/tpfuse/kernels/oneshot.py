@@ -29,8 +29,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tpfuse.comm.workspace import STATE_LEN, Workspace
-from tpfuse.kernels.protocol import (DEFAULT_MAX_SPINS, _clear_slot, _finish_call, _peer_base, _sendable_bits,
-                                     _store_normed, _wait_row)
+from tpfuse.kernels.protocol import (DEFAULT_WAIT_TIMEOUT_S, _clear_slot, _finish_call, _peer_base, _sendable_bits,
+                                     _start_clock, _store_normed, _wait_row, wait_limit_for)
 
 
 @triton.jit
@@ -51,9 +51,9 @@ def _push_rows(x_ptr, peer_ptrs_ptr, dst_base, hidden, first_row, n_tokens, step
 def _oneshot_allreduce_add_rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, scale_ptr,
     peer_ptrs_ptr, state_ptr,
-    n_tokens, hidden, region_elems, eps, max_spins,
+    n_tokens, hidden, region_elems, eps, wait_limit,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr, USE_CLOCK: tl.constexpr,
     CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr,
 ):
     if USE_PDL:
@@ -82,7 +82,8 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    spins = 0
+    failed = 0
+    limit = _start_clock(wait_limit, USE_CLOCK)
     row = pid
     while row < n_tokens:
         offs = row.to(tl.int64) * hidden + cols
@@ -95,7 +96,9 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
             if r == RANK:
                 bits = x_bits
             else:
-                bits, spins = _wait_row(own + slot_base + r * region_elems + offs, mask, spins, max_spins)
+                bits, limit, missing = _wait_row(own + slot_base + r * region_elems + offs, mask, limit,
+                                                 USE_CLOCK)
+                failed |= missing
             acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
         h = acc
         if HAS_RESIDUAL:
@@ -105,7 +108,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         row += n_programs
     if not CLEAR_FIRST:
         _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
-    _finish_call(state_ptr, call, slot, n_tokens * hidden, spins, max_spins, n_programs, RELAXED_ARRIVE)
+    _finish_call(state_ptr, call, slot, n_tokens, hidden, failed, n_programs, RELAXED_ARRIVE)
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ def oneshot_allreduce_add_rmsnorm(
     world_size: int,
     max_programs: int,
     quant_scale: torch.Tensor | None = None,
-    max_spins: int = DEFAULT_MAX_SPINS,
+    wait_limit: int | None = None,
     variant: OneShotVariant = DEFAULT_VARIANT,
 ) -> None:
     """Launch the one-shot kernel: writes ``y`` and ``h``. Inputs are checked by the caller.
@@ -165,6 +168,8 @@ def oneshot_allreduce_add_rmsnorm(
     at once (a program waits for the same program of its peers).
     """
     n_tokens, hidden = x.shape
+    if wait_limit is None:
+        wait_limit = wait_limit_for(DEFAULT_WAIT_TIMEOUT_S, x.device.type == "cuda")
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
     block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant)
     n_programs = launch_programs(n_tokens, hidden, max_programs)
@@ -173,9 +178,10 @@ def oneshot_allreduce_add_rmsnorm(
         y.view(torch.uint8) if quant_scale is not None else y, h,
         quant_scale if quant_scale is not None else weight,
         workspace.peer_ptrs, workspace.state,
-        n_tokens, hidden, workspace.region_elems, eps, max_spins,
+        n_tokens, hidden, workspace.region_elems, eps, wait_limit,
         RANK=rank, WORLD=world_size, BLOCK_H=block_h,
         HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None, USE_PDL=use_pdl,
+        USE_CLOCK=x.device.type == "cuda",
         CLEAR_FIRST=variant.clear_first, RELAXED_ARRIVE=variant.relaxed_arrive,
         num_warps=num_warps, launch_pdl=use_pdl,
     )

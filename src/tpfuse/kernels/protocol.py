@@ -10,16 +10,27 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 
-from tpfuse.comm.workspace import SENTINEL, STATE_ERROR
+from tpfuse.comm.workspace import SENTINEL, STATE_ERROR, STATE_ERROR_HIDDEN, STATE_ERROR_TOKENS
 from tpfuse.kernels.fp8 import fp32_to_e4m3fn_bits
 
 # Globals a jitted function reads must be constexpr objects.
 _SENTINEL = tl.constexpr(SENTINEL)
 _STATE_ERROR = tl.constexpr(STATE_ERROR)
+_STATE_ERROR_TOKENS = tl.constexpr(STATE_ERROR_TOKENS)
+_STATE_ERROR_HIDDEN = tl.constexpr(STATE_ERROR_HIDDEN)
 
-# Polls of one peer row before a kernel gives up, flags STATE_ERROR and moves on (never hangs).
-DEFAULT_MAX_SPINS = 1 << 30
+# Every wait is bounded. On a GPU the bound is time (the global nanosecond timer); the CPU
+# interpreter has no timer, so there it is a number of polls, about this many a second.
+CPU_POLLS_PER_SECOND = 5000
+#: How long a kernel waits for a peer before it flags an error and returns (see docs/reliability.md).
+DEFAULT_WAIT_TIMEOUT_S = 10.0
+
+
+def wait_limit_for(timeout_s: float, on_gpu: bool) -> int:
+    """The kernels' ``wait_limit`` argument for a timeout: nanoseconds on a GPU, polls on the CPU."""
+    return int(timeout_s * 1e9) if on_gpu else max(1, int(timeout_s * CPU_POLLS_PER_SECOND))
 
 
 @triton.jit
@@ -40,13 +51,37 @@ def _peer_base(peer_ptrs_ptr, r):
 
 
 @triton.jit
-def _wait_row(src, mask, spins, max_spins):
-    """Poll a row of words until none holds the sentinel; stops early once ``spins`` runs out."""
+def _start_clock(wait_limit, USE_CLOCK: tl.constexpr):
+    """The bound every wait of this program shares: a timer deadline, or the polls allowed."""
+    if USE_CLOCK:
+        return globaltimer() + wait_limit
+    else:
+        return wait_limit.to(tl.int64)
+
+
+@triton.jit
+def _time_left(limit, USE_CLOCK: tl.constexpr):
+    if USE_CLOCK:
+        return globaltimer() < limit
+    else:
+        return limit > 0
+
+
+@triton.jit
+def _wait_row(src, mask, limit, USE_CLOCK: tl.constexpr):
+    """Poll a row of words until none holds the sentinel or the bound ``limit`` runs out.
+
+    Returns the row, the updated bound and 1 if words are still missing (0 when it all arrived).
+    Once the bound has run out, every later wait returns after one look.
+    """
     bits = tl.load(src, mask=mask, other=0, volatile=True)
-    while (tl.max((bits == _SENTINEL).to(tl.int32), axis=0) > 0) & (spins < max_spins):
+    missing = tl.max((bits == _SENTINEL).to(tl.int32), axis=0)
+    while (missing > 0) & _time_left(limit, USE_CLOCK):
         bits = tl.load(src, mask=mask, other=0, volatile=True)
-        spins += 1
-    return bits, spins
+        missing = tl.max((bits == _SENTINEL).to(tl.int32), axis=0)
+        if not USE_CLOCK:
+            limit -= 1
+    return bits, limit, (missing > 0).to(tl.int32)
 
 
 @triton.jit
@@ -67,20 +102,23 @@ def _clear_slot(own, slot_base, region_elems, extent, first, step, cols,
 
 
 @triton.jit
-def _finish_call(state_ptr, call, slot, extent, spins, max_spins, n_programs, RELAXED_ARRIVE: tl.constexpr):
-    """Flag a wait that ran out; the last program of the launch records the extent and advances the call.
+def _finish_call(state_ptr, call, slot, n_tokens, hidden, failed, n_programs, RELAXED_ARRIVE: tl.constexpr):
+    """Record a wait that ran out; the last program of the launch records the extent and advances the call.
 
+    The error entry holds the failed call's number (1-based) and shape, for the host to report.
     Every program has read the state by the time it arrives (its loads fed addresses it has already
     used), so the arrival itself needs no ordering.
     """
-    if spins >= max_spins:
-        tl.atomic_xchg(state_ptr + _STATE_ERROR, 1)
+    if failed > 0:
+        tl.atomic_xchg(state_ptr + _STATE_ERROR, call + 1)
+        tl.store(state_ptr + _STATE_ERROR_TOKENS, n_tokens)
+        tl.store(state_ptr + _STATE_ERROR_HIDDEN, hidden)
     if RELAXED_ARRIVE:
         arrived = tl.atomic_add(state_ptr + 1, 1, sem="relaxed")
     else:
         arrived = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel")
     if arrived == n_programs - 1:
-        tl.store(state_ptr + 2 + slot, extent)
+        tl.store(state_ptr + 2 + slot, n_tokens * hidden)
         tl.store(state_ptr + 0, call + 1)
         tl.store(state_ptr + 1, 0)
 

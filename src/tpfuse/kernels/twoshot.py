@@ -31,8 +31,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tpfuse.comm.workspace import STATE_LEN, Workspace
 from tpfuse.kernels.oneshot import launch_config
-from tpfuse.kernels.protocol import (DEFAULT_MAX_SPINS, _clear_slot, _finish_call, _peer_base, _sendable,
-                                     _sendable_bits, _store_normed, _wait_row)
+from tpfuse.kernels.protocol import (DEFAULT_WAIT_TIMEOUT_S, _clear_slot, _finish_call, _peer_base, _sendable,
+                                     _sendable_bits, _start_clock, _store_normed, _wait_row, wait_limit_for)
 
 
 @triton.jit
@@ -52,9 +52,9 @@ def _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, 
 def _twoshot_allreduce_add_rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, scale_ptr,
     peer_ptrs_ptr, state_ptr,
-    n_tokens, hidden, region_elems, eps, max_spins,
+    n_tokens, hidden, region_elems, eps, wait_limit,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr, USE_CLOCK: tl.constexpr,
 ):
     if USE_PDL:  # see the one-shot kernel
         gdc_wait()
@@ -84,7 +84,8 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    spins = 0
+    failed = 0
+    limit = _start_clock(wait_limit, USE_CLOCK)
     # Reduce the rows we own and send the rounded h to every peer.
     row = pid
     while row < n_tokens:
@@ -97,7 +98,9 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
                 if r == RANK:
                     bits = _sendable_bits(x_ptr, offs, mask)
                 else:
-                    bits, spins = _wait_row(own + slot_base + r * region_elems + offs, mask, spins, max_spins)
+                    bits, limit, missing = _wait_row(own + slot_base + r * region_elems + offs, mask, limit,
+                                                     USE_CLOCK)
+                    failed |= missing
                 acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
             if HAS_RESIDUAL:
                 acc += res
@@ -114,10 +117,12 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
         owner = _owner(row, n_programs, WORLD)
         if owner != RANK:
             offs = row.to(tl.int64) * hidden + cols
-            h_bits, spins = _wait_row(own + slot_base + owner * region_elems + offs, mask, spins, max_spins)
+            h_bits, limit, missing = _wait_row(own + slot_base + owner * region_elems + offs, mask, limit,
+                                               USE_CLOCK)
+            failed |= missing
             _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
         row += n_programs
-    _finish_call(state_ptr, call, slot, n_tokens * hidden, spins, max_spins, n_programs, True)
+    _finish_call(state_ptr, call, slot, n_tokens, hidden, failed, n_programs, True)
 
 
 def twoshot_allreduce_add_rmsnorm(
@@ -132,10 +137,12 @@ def twoshot_allreduce_add_rmsnorm(
     world_size: int,
     max_programs: int,
     quant_scale: torch.Tensor | None = None,
-    max_spins: int = DEFAULT_MAX_SPINS,
+    wait_limit: int | None = None,
 ) -> None:
     """Launch the two-shot kernel: writes ``y`` and ``h``. Same contract as the one-shot launcher."""
     n_tokens, hidden = x.shape
+    if wait_limit is None:
+        wait_limit = wait_limit_for(DEFAULT_WAIT_TIMEOUT_S, x.device.type == "cuda")
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
     block_h, num_warps, use_pdl = launch_config(hidden, x.device)
     _twoshot_allreduce_add_rmsnorm_kernel[(min(n_tokens, max_programs),)](
@@ -143,8 +150,9 @@ def twoshot_allreduce_add_rmsnorm(
         y.view(torch.uint8) if quant_scale is not None else y, h,
         quant_scale if quant_scale is not None else weight,
         workspace.peer_ptrs, workspace.state,
-        n_tokens, hidden, workspace.region_elems, eps, max_spins,
+        n_tokens, hidden, workspace.region_elems, eps, wait_limit,
         RANK=rank, WORLD=world_size, BLOCK_H=block_h,
         HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None, USE_PDL=use_pdl,
+        USE_CLOCK=x.device.type == "cuda",
         num_warps=num_warps, launch_pdl=use_pdl,
     )

@@ -10,12 +10,13 @@ own all-reduce, then the same norm in torch).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from tpfuse import _stats, select
 from tpfuse.comm.communicator import lookup_communicator, resolve_group
-from tpfuse.comm.workspace import STATE_ERROR
 from tpfuse.kernels.reference import add_rmsnorm_reference
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -83,6 +84,11 @@ def check_inputs(
         same_place(t, name)
 
 
+def _debug() -> bool:
+    """``TPFUSE_DEBUG=1``: compare every fused call across ranks and check for errors after it (slow)."""
+    return os.environ.get("TPFUSE_DEBUG") == "1"
+
+
 def _group_by_name(group_name: str) -> dist.ProcessGroup:
     try:
         return dist.distributed_c10d._resolve_process_group(group_name)
@@ -100,10 +106,12 @@ def _run(x, residual, weight, eps, group_name, quant_scale, y, h) -> None:
         comm.check_usable()
         algorithm = comm.choose_algorithm(n_tokens, hidden, x.dtype, quantized=quant_scale is not None)
         if algorithm != select.REFERENCE:
+            checking = x.device.type == "cpu" or (_debug() and not torch.cuda.is_current_stream_capturing())
+            if checking and _debug():
+                comm.check_call_matches(n_tokens, hidden, x.dtype, algorithm)
             _stats.record(comm.run_fused(algorithm, x, residual, weight, eps, y, h, quant_scale))
-            if x.device.type == "cpu" and comm.workspace.state[STATE_ERROR].item():
-                raise RuntimeError(f"tpfuse: group {group_name!r}: a peer never delivered its rows "
-                                   f"(call of {n_tokens} x {hidden}); a rank stalled or calls mismatched")
+            if checking:
+                comm.check_errors()
             return
     group = _group_by_name(group_name)
     reduced = x.to(torch.float32, copy=True)

@@ -12,6 +12,7 @@ group and communicators), so tests pay process start-up once.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -189,3 +190,27 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     """Start ``world_size`` ranks, run ``fn(rank, world_size, *args)`` on each once, and stop them."""
     with RankPool(world_size, backend, env, timeout) as pool:
         return pool.run(fn, *args)
+
+
+@contextlib.contextmanager
+def forced_table(world_size: int, device, oneshot_max: int, fused_max: int = 4096,
+                 hiddens: tuple[int, ...] = (8, 512, 2880, 4096)):
+    """Within the block, calls take the one-shot up to ``oneshot_max`` tokens and the two-shot above.
+
+    Writes an algorithm table for ``world_size`` ranks and points ``$TPFUSE_TUNE_TABLE`` at it.
+    """
+    import json
+    import tempfile
+
+    from tpfuse import select
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "table.json")
+        limits = {h: (oneshot_max, fused_max) for h in hiddens}
+        with open(path, "w") as fh:
+            json.dump(select.AlgorithmTable(select.device_slug(device), world_size, limits).to_json(), fh)
+        os.environ["TPFUSE_TUNE_TABLE"] = path
+        try:
+            yield
+        finally:
+            del os.environ["TPFUSE_TUNE_TABLE"]
