@@ -50,3 +50,27 @@ def test_twoshot_sequences(rank_pool, backend, world_size, oneshot_max):
         assert all(cleared), cleared
         assert chosen == expected
         assert stats == {f"triton.{a}": expected.count(a) for a in set(expected)}
+
+
+def _wide(rank, world_size, cases):
+    tpfuse.get_communicator(max_tokens=24, hidden=512, wait_timeout_s=300)  # 8 spinning processes share 2 cores
+    out, chosen = [], []
+    with forced_table(world_size, "cpu", oneshot_max=4, hiddens=(64, 512)):
+        for case in cases:
+            inp = case.inputs(world_size)
+            chosen.append(tpfuse.get_communicator().choose_algorithm(case.tokens, case.hidden, case.dtype))
+            y, h = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
+            out.append((y, h))
+    tpfuse.destroy_all()
+    return out, chosen
+
+
+@pytest.mark.parametrize("world_size", [4, 8])
+def test_both_kernels_at_four_and_eight_ranks(rank_pool, world_size):
+    # Fewer tokens than ranks, one-shot sizes, two-shot sizes not divisible by the world size.
+    cases = [Case(3, 512, seed=1), Case(4, 64, residual=False, seed=2), Case(13, 512, seed=3), Case(20, 64, seed=4)]
+    results = rank_pool(world_size).run(_wide, cases, timeout=900)
+    for i, case in enumerate(cases):
+        check_results(case, world_size, [res[0][i] for res in results])
+    expected = ["oneshot" if c.tokens <= 4 or c.tokens < world_size else "twoshot" for c in cases]
+    assert all(res[1] == expected for res in results)
