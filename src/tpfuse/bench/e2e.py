@@ -114,6 +114,9 @@ def e2e_rank(rank: int, world_size: int, preset: str, layers: int | None, batche
                 fused = sum(n for k, n in tpfuse.stats().items() if k.startswith(("triton.", "flashinfer.")))
                 rows[name][f"{provider}_ms"] = _ms_per_call(lambda: fn(tokens, pos), device, iters)
             rows[name][f"{provider}_fused_calls"] = fused
+            if rank == 0:
+                print(f"\n{provider:>10} {name:>14}: {rows[name][f'{provider}_ms']:.3f} ms, {fused} fused calls",
+                      flush=True)
             if provider == "unfused":
                 reference[name] = logits
             elif name in reference:
