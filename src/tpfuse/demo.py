@@ -1,4 +1,7 @@
-"""``python -m tpfuse demo``: run the fused op on several ranks and check it against float64."""
+"""``python -m tpfuse demo``: the fused op and a compiled TP Llama on several ranks, checked.
+
+On 2+ GPUs it then runs the end-to-end decode benchmark (:mod:`tpfuse.bench.e2e`) on all of them.
+"""
 
 from __future__ import annotations
 
@@ -74,6 +77,16 @@ def _demo_model(rank, world_size, backend):
             "kernel_calls": _kernel_calls()}
 
 
+# The GPU demo's decode benchmark: llama-3-8b layer shapes, fewer layers so it compiles in minutes.
+DEMO_E2E = dict(preset="llama-3-8b", layers=8, batches=[1, 8, 32, 64], prefill=2048)
+
+
+def _demo_e2e(rank, world_size):
+    from tpfuse.bench.e2e import PROVIDERS, e2e_rank
+
+    return e2e_rank(rank, world_size, providers=list(PROVIDERS), **DEMO_E2E)
+
+
 def run_demo(world_size: int | None = None) -> int:
     """Run the demo cases on all GPUs (2 or more) or on 2 CPU processes; return an exit code."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -85,6 +98,7 @@ def run_demo(world_size: int | None = None) -> int:
     with RankPool(world_size, backend) as pool:
         results = pool.run(_demo_rank, backend, DEMO_CASES)
         model_results = pool.run(_demo_model, backend, timeout=900)
+        e2e_rows = pool.run(_demo_e2e, timeout=1800)[0] if backend == "nccl" else None
     print(f"rank 0: {results[0][0]}")
     print(f"{'tokens':>6} {'hidden':>6} {'dtype':>9} {'residual':>8} {'output':>13} {'backend':>15}  check")
     failures = 0
@@ -110,5 +124,9 @@ def run_demo(world_size: int | None = None) -> int:
     if m["fused"] != 8 or not same:
         failures += 1
         print("  FAILED: " + ("not every site was fused" if m["fused"] != 8 else "token ids differ"))
+    if e2e_rows is not None:
+        from tpfuse.bench.e2e import describe, write_outputs
+
+        write_outputs(e2e_rows, describe(DEMO_E2E["preset"], DEMO_E2E["layers"], world_size), "results/demo")
     print("demo: OK" if not failures else f"demo: {failures} check(s) FAILED")
     return 1 if failures else 0

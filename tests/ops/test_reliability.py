@@ -20,6 +20,7 @@ from tpfuse.testing.cases import Case
 
 def _stall(rank, world_size, backend):
     device = rank_device(backend, rank)
+    tpfuse.destroy_all()  # a fresh communicator: the message counts calls from its creation
     tpfuse.get_communicator(max_tokens=16, hidden=512, wait_timeout_s=1.0)
     case = Case(5, 512, seed=1)
     inp = case.inputs(world_size, device)
@@ -53,6 +54,7 @@ def test_stalled_peer_raises_instead_of_hanging(rank_pool, backend):
 
 
 def _mismatch(rank, world_size, debug):
+    tpfuse.destroy_all()
     # Rank 1 waits longer: the CPU interpreter runs rank 0's programs one after another, so the rows
     # rank 1 needs are pushed only after rank 0's first program has given up.
     tpfuse.get_communicator(max_tokens=16, hidden=512, wait_timeout_s=1.0 if rank == 0 else 30.0)
@@ -90,6 +92,7 @@ def test_mismatched_calls_without_debug_time_out_and_stay_in_bounds(rank_pool):
 
 def _edges(rank, world_size, backend, oneshot_max):
     device = rank_device(backend, rank)
+    tpfuse.destroy_all()
     tpfuse.get_communicator(max_tokens=16, hidden=512)
     big = torch.finfo(torch.bfloat16).max / 4
     xs = [torch.randn(6, 512, generator=torch.Generator().manual_seed(r)).bfloat16() for r in range(world_size)]

@@ -274,6 +274,8 @@ def get_communicator(
                              f"{comm.backend!r}; destroy it before asking for {backend!r}")
         if max_tokens is not None or hidden is not None:
             comm.ensure_capacity(max_tokens or DEFAULT_MAX_TOKENS, hidden or DEFAULT_HIDDEN)
+        if wait_timeout_s is not None:  # applies to calls launched from now on (not to captured graphs)
+            comm.wait_timeout_s = float(wait_timeout_s)
         return comm
 
 

@@ -124,12 +124,11 @@ class Attention(nn.Module):
             k_cache.index_copy_(2, input_pos, k)
             v_cache.index_copy_(2, input_pos, v)
             k, v = k_cache, v_cache
-        repeat = self.n_local_heads // self.n_local_kv_heads
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        # enable_gqa: query heads share key/value heads without copying the cache for each of them
         if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return all_reduce(self.wo(y.transpose(1, 2).reshape(batch * seq, -1)), self.args)
 
 
