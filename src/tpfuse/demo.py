@@ -73,8 +73,17 @@ def _demo_model(rank, world_size, backend):
     eager_ids, _ = _greedy(model, device, NEW_TOKENS)
     tpfuse.reset_stats()
     compiled_ids, top = _greedy(compiled, device, NEW_TOKENS)
-    return {"fused": fused, "diff": diff, "top": top, "eager": eager_ids, "compiled": compiled_ids,
-            "kernel_calls": _kernel_calls()}
+    result = {"fused": fused, "diff": diff, "top": top, "eager": eager_ids, "compiled": compiled_ids,
+              "kernel_calls": _kernel_calls()}
+    if compiled_ids != eager_ids:  # where they part, was the unfused model's choice a near-tie?
+        step = next(i for i, (a, b) in enumerate(zip(eager_ids, compiled_ids)) if a != b)
+        prefix = torch.tensor(eager_ids[:step], device=device)
+        with torch.no_grad():
+            unfused, fused_logits = model(prefix)[-1].float(), compiled(prefix)[-1].float()
+        first, second = unfused.topk(2).values.tolist()
+        result["parted"] = {"step": step, "margin": first - second,
+                            "noise": (fused_logits - unfused).abs().max().item()}
+    return result
 
 
 # The GPU demo's decode benchmark: llama-3-8b layer shapes, fewer layers so it compiles in minutes.
@@ -120,10 +129,21 @@ def run_demo(world_size: int | None = None) -> int:
     print(f"  largest logit difference from the unfused model: {m['diff']:.4f} (largest logit {m['top']:.2f})")
     print(f"  greedy ids, unfused: {m['eager']}")
     print(f"  greedy ids, fused:   {m['compiled']}")
-    same = all(r["compiled"] == m["compiled"] for r in model_results) and m["compiled"] == m["eager"]
-    if m["fused"] != 8 or not same:
+    ranks_agree = all(r["compiled"] == m["compiled"] for r in model_results)
+    parted = m.get("parted")
+    # bf16 sums in the unfused model, fp32 in the fused kernel: ids may part only where the unfused
+    # model's top two logits are closer than the two models' largest logit difference, and that
+    # difference must itself be small (bf16 noise, a few percent of the largest logit).
+    near_tie = (parted is not None and parted["margin"] <= 2 * parted["noise"]
+                and parted["noise"] <= 0.05 * m["top"])
+    if parted is not None:
+        print(f"  ids part at position {parted['step']}: the unfused model's top two logits there differ by "
+              f"{parted['margin']:.4f}, the fused and unfused logits by up to {parted['noise']:.4f}: "
+              + ("a near-tie, not a fusion error" if near_tie else "NOT a near-tie"))
+    if m["fused"] != 8 or not ranks_agree or (parted is not None and not near_tie):
         failures += 1
-        print("  FAILED: " + ("not every site was fused" if m["fused"] != 8 else "token ids differ"))
+        print("  FAILED: " + ("not every site was fused" if m["fused"] != 8 else
+                             "ranks decoded different ids" if not ranks_agree else "token ids differ"))
     if e2e_rows is not None:
         from tpfuse.bench.e2e import describe, write_outputs
 
