@@ -29,7 +29,7 @@ if [ "$MODE" = e2e ]; then e2e; exit $status; fi
 
 echo "== GPU tests (NCCL ranks; kernels compiled for the GPU; FlashInfer backend; the compiler pass) =="
 TPFUSE_GRAPH_REPLAYS=${TPFUSE_GRAPH_REPLAYS:-100000} timeout 300 \
-  python3 -m pytest tests -q -x -k "nccl or fp8 or graph or reduce_overhead or flashinfer" -p no:cacheprovider \
+  python3 -m pytest tests -q -x -k "nccl or fp8 or graph or reduce_overhead or flashinfer or soak" -p no:cacheprovider \
   2>&1 | tee "$OUT/tests.log" | tail -8
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
