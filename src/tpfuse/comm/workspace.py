@@ -46,22 +46,17 @@ class Workspace:
         int32 [STATE_LEN] slot-rotation state, private to this rank, on the device.
     """
 
-    def __init__(self, region_elems: int, peer_ptrs: torch.Tensor, state: torch.Tensor, keep_alive: list,
-                 on_release=None):
+    def __init__(self, region_elems: int, peer_ptrs: torch.Tensor, state: torch.Tensor, keep_alive: list):
         self.region_elems = region_elems
         self.peer_ptrs = peer_ptrs
         self.state = state
         self._keep_alive = keep_alive  # the mapped tensors / symmetric buffers behind peer_ptrs
-        self._on_release = on_release
 
     @property
     def region_bytes(self) -> int:
         return self.region_elems * 2
 
     def release(self) -> None:
-        if self._on_release is not None:
-            self._on_release()
-            self._on_release = None
         self._keep_alive.clear()
         self.peer_ptrs = None
         self.state = None
@@ -84,30 +79,12 @@ def enable_symm_mem(group_name: str) -> None:
             symm_mem.enable_symm_mem_for_group(group_name)
 
 
-# torch's symmetric memory (2.11 measured) does not give a freed buffer back to the device: 100
-# communicators created and destroyed kept 1 GB. A released buffer therefore waits here and the next
-# workspace of the same size for the same ranks takes it, so memory stays bounded.
-_idle_cuda_buffers: dict[tuple, list[torch.Tensor]] = {}
-
-
 def allocate_cuda(group: dist.ProcessGroup, region_elems: int, device: torch.device) -> Workspace:
     """Symmetric-memory workspace for a NCCL group (collective: every rank of ``group`` calls it)."""
     import torch.distributed._symmetric_memory as symm_mem
 
     world = dist.get_world_size(group)
-    n = _buffer_elems(region_elems, world)
-    key = (device.index, tuple(dist.get_process_group_ranks(group)), n)
-    idle = _idle_cuda_buffers.get(key, [])
-    every_rank_has_one = torch.tensor([len(idle) > 0], dtype=torch.int32, device=device)
-    dist.all_reduce(every_rank_has_one, op=dist.ReduceOp.MIN, group=group)  # reuse on all ranks or none
-    if every_rank_has_one.item():
-        buf = idle.pop()
-        # Its last users were these same ranks: every one of them has finished its kernels (the
-        # synchronize) before anyone refills it.
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)
-    else:
-        buf = symm_mem.empty(n, dtype=torch.int16, device=device)
+    buf = symm_mem.empty(_buffer_elems(region_elems, world), dtype=torch.int16, device=device)
     buf.fill_(SENTINEL)
     enable_symm_mem(group.group_name)
     handle = symm_mem.rendezvous(buf, group.group_name)
@@ -115,8 +92,7 @@ def allocate_cuda(group: dist.ProcessGroup, region_elems: int, device: torch.dev
     state = torch.zeros(STATE_LEN, dtype=torch.int32, device=device)
     torch.cuda.synchronize(device)
     dist.barrier(group=group)  # every rank's sentinel fill is done before anyone pushes
-    return Workspace(region_elems, peer_ptrs, state, [buf, handle],
-                     on_release=lambda: _idle_cuda_buffers.setdefault(key, []).append(buf))
+    return Workspace(region_elems, peer_ptrs, state, [buf, handle])
 
 
 def remove_stale_shm_files() -> int:
