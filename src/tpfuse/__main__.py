@@ -15,15 +15,20 @@ def _ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tpfuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="compile a TP Llama with the fusion pass and check it (CPU ranks or GPUs)")
+    demo = sub.add_parser(
+        "demo", help="compile a TP Llama with the fusion pass and check it (CPU ranks or GPUs)"
+    )
     demo.add_argument("--world-size", type=int, default=None)
     bench = sub.add_parser("bench", help="benchmarks (run under torchrun on GPUs)")
     bench.add_argument("what", choices=["kernel", "e2e"])
     bench.add_argument("--hidden", default="4096,7168,8192", help="kernel")
     bench.add_argument("--tokens", default=POWERS_OF_TWO_TO_8192, help="kernel")
-    bench.add_argument("--providers", default=None,
-                       help="kernel: tpfuse, tpfuse:oneshot, tpfuse:twoshot, tpfuse:<variant>, nccl, symm_mem, "
-                            "flashinfer (default tpfuse,nccl,symm_mem,flashinfer); e2e: unfused, tpfuse, flashinfer")
+    bench.add_argument(
+        "--providers",
+        default=None,
+        help="kernel: tpfuse, tpfuse:oneshot, tpfuse:twoshot, tpfuse:<variant>, nccl, symm_mem, "
+        "flashinfer (default tpfuse,nccl,symm_mem,flashinfer); e2e: unfused, tpfuse, flashinfer",
+    )
     bench.add_argument("--preset", default="llama-3-8b", help="e2e: model preset")
     bench.add_argument("--layers", type=int, default=None, help="e2e: layers (default: the preset's)")
     bench.add_argument("--batches", default="1,8,32,64", help="e2e: decode batch sizes")
@@ -33,10 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--hidden", default="4096,7168,8192")
     tune.add_argument("--tokens", default=POWERS_OF_TWO_TO_8192)
     tune.add_argument("--out", default=None, help="table file (default: the user table directory)")
-    info = sub.add_parser("info", help="versions, GPUs, peer access, backend, and the algorithm per call size")
+    info = sub.add_parser(
+        "info", help="versions, GPUs, peer access, backend, and the algorithm per call size"
+    )
     info.add_argument("--hidden", type=int, default=4096)
     info.add_argument("--world-size", type=int, default=None)
-    info.add_argument("--max-tokens", type=int, default=None, help="workspace rows of hidden 8192 (default 512)")
+    info.add_argument(
+        "--max-tokens", type=int, default=None, help="workspace rows of hidden 8192 (default 512)"
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         from tpfuse.demo import run_demo

@@ -21,8 +21,9 @@ def _version(module: str) -> str:
         return f"installed, import fails: {type(exc).__name__}"
 
 
-def algorithm_ranges(hidden: int, dtype: torch.dtype, world_size: int, workspace_bytes: int,
-                     device: torch.device | str | None) -> list[tuple[int, int | None, str]]:
+def algorithm_ranges(
+    hidden: int, dtype: torch.dtype, world_size: int, workspace_bytes: int, device: torch.device | str | None
+) -> list[tuple[int, int | None, str]]:
     """[(first_tokens, last_tokens or None for "and above", algorithm)] for calls of ``hidden``."""
     limit = select.max_token_num(hidden, dtype, world_size, workspace_bytes, device)
     ranges, start, current = [], 1, None
@@ -40,8 +41,10 @@ def run_info(hidden: int, world_size: int | None, max_tokens: int) -> int:
     """Print versions, GPUs and peer access, the backend, the table in force and the algorithm per size."""
     import tpfuse
 
-    print(f"tpfuse {tpfuse.__version__}  python {platform.python_version()}  torch {torch.__version__}  "
-          f"triton {_version('triton')}  flashinfer {_version('flashinfer')}")
+    print(
+        f"tpfuse {tpfuse.__version__}  python {platform.python_version()}  torch {torch.__version__}  "
+        f"triton {_version('triton')}  flashinfer {_version('flashinfer')}"
+    )
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n_gpus:
         for i in range(n_gpus):
@@ -49,8 +52,11 @@ def run_info(hidden: int, world_size: int | None, max_tokens: int) -> int:
             print(f"GPU {i}: {props.name}, {props.multi_processor_count} SMs, {props.total_memory >> 30} GiB")
         pairs = [(a, b) for a in range(n_gpus) for b in range(n_gpus) if a != b]
         missing = [f"{a}->{b}" for a, b in pairs if not torch.cuda.can_device_access_peer(a, b)]
-        print("peer access: " + ("every pair" if not missing else "missing for " + ", ".join(missing))
-              if pairs else "peer access: one GPU only")
+        print(
+            "peer access: " + ("every pair" if not missing else "missing for " + ", ".join(missing))
+            if pairs
+            else "peer access: one GPU only"
+        )
     else:
         print("GPUs: none (the kernels run on the CPU only under TRITON_INTERPRET=1, for tests)")
     device = torch.device("cuda", 0) if n_gpus else torch.device("cpu")
@@ -59,10 +65,11 @@ def run_info(hidden: int, world_size: int | None, max_tokens: int) -> int:
     table = select.algorithm_table(world, device)
     print(f"algorithm table for {select.device_slug(device)} with {world} ranks: {table.source}")
     workspace_bytes = max_tokens * DEFAULT_HIDDEN * select.ELEMENT_BYTES
-    print(f"calls of hidden {hidden}, bf16, workspace of {max_tokens} x {DEFAULT_HIDDEN} "
-          f"({workspace_bytes >> 20} MiB a rank):")
+    print(
+        f"calls of hidden {hidden}, bf16, workspace of {max_tokens} x {DEFAULT_HIDDEN} "
+        f"({workspace_bytes >> 20} MiB a rank):"
+    )
     for first, last, algorithm in algorithm_ranges(hidden, torch.bfloat16, world, workspace_bytes, device):
         span = f"{first}-{last}" if last is not None else f"{first}+"
         print(f"  {span:>12} tokens: {algorithm}")
     return 0
-

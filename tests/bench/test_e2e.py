@@ -4,8 +4,17 @@ from tpfuse.bench.e2e import e2e_rank
 
 
 def _tiny_e2e(rank, world_size):
-    return e2e_rank(rank, world_size, "tiny", None, [2], 6, ["unfused", "tpfuse", "flashinfer"],
-                    device=__import__("torch").device("cpu"), iters=1)
+    return e2e_rank(
+        rank,
+        world_size,
+        "tiny",
+        None,
+        [2],
+        6,
+        ["unfused", "tpfuse", "flashinfer"],
+        device=__import__("torch").device("cpu"),
+        iters=1,
+    )
 
 
 def test_e2e_bench_runs_fuses_and_matches(rank_pool):

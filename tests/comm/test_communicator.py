@@ -117,7 +117,8 @@ def test_workspace_allocation_during_graph_capture_raises(rank_pool):
 
 def _backend_choice(rank, world_size):
     report = {}
-    for bad, expected in (("nccl", "unknown backend 'nccl'"), ("flashinfer", "flashinfer backend needs CUDA")):
+    errors = (("nccl", "unknown backend 'nccl'"), ("flashinfer", "flashinfer backend needs CUDA"))
+    for bad, expected in errors:
         try:
             tpfuse.get_communicator(dist.new_group(list(range(world_size))), backend=bad)
             report[bad] = "no error"
@@ -125,7 +126,8 @@ def _backend_choice(rank, world_size):
             report[bad] = expected in str(exc) or str(exc)
     group = dist.new_group(list(range(world_size)))
     comm = tpfuse.get_communicator(group, backend="reference")
-    report["reference has no workspace"] = comm.workspace_bytes == 0 and comm.max_token_num(4096, torch.bfloat16) == 0
+    report["reference has no workspace"] = (comm.workspace_bytes == 0
+                                            and comm.max_token_num(4096, torch.bfloat16) == 0)
     report["same object without a backend"] = tpfuse.get_communicator(group) is comm
     try:
         tpfuse.get_communicator(group, backend="triton")

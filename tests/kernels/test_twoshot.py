@@ -19,12 +19,15 @@ def _sequence(rank, world_size, backend, cases, oneshot_max):
         for case in cases:
             chosen.append(comm.choose_algorithm(case.tokens, case.hidden, case.dtype))
             inp = case.inputs(world_size, device)
-            y, h = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps,
-                                                quant_scale=inp["quant_scale"])
+            y, h = tpfuse.allreduce_add_rmsnorm(
+                inp["xs"][rank], inp["residual"], inp["weight"], case.eps, quant_scale=inp["quant_scale"]
+            )
             out.append((y.cpu(), h.cpu()))
             if device.type == "cpu":  # the previous call's slot is all sentinel again
                 call = int(comm.workspace.state[STATE_CALL])
-                prev = comm.workspace._keep_alive[rank].view(NUM_SLOTS, world_size, -1)[(call - 2) % NUM_SLOTS]
+                prev = comm.workspace._keep_alive[rank].view(NUM_SLOTS, world_size, -1)[
+                    (call - 2) % NUM_SLOTS
+                ]
                 others = [r for r in range(world_size) if r != rank]
                 cleared.append(bool((prev[others] == SENTINEL).all()) if call >= 2 else True)
     return out, cleared, chosen, tpfuse.stats()
@@ -39,9 +42,17 @@ SEQUENCE = [(5, 4096), (1, 512), (17, 4096), (3, 512), (2, 2880), (16, 8), (40, 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("oneshot_max", [0, 4])
 def test_twoshot_sequences(rank_pool, backend, world_size, oneshot_max):
-    cases = [Case(t, h, torch.bfloat16 if i % 2 else torch.float16, residual=i % 3 != 0, seed=i,
-                  quant_scale=0.05 if i == 4 else None)
-             for i, (t, h) in enumerate(SEQUENCE)]
+    cases = [
+        Case(
+            t,
+            h,
+            torch.bfloat16 if i % 2 else torch.float16,
+            residual=i % 3 != 0,
+            seed=i,
+            quant_scale=0.05 if i == 4 else None,
+        )
+        for i, (t, h) in enumerate(SEQUENCE)
+    ]
     results = rank_pool(world_size, backend).run(_sequence, backend, cases, oneshot_max)
     for i, case in enumerate(cases):
         check_results(case, world_size, [res[0][i] for res in results])
@@ -53,7 +64,9 @@ def test_twoshot_sequences(rank_pool, backend, world_size, oneshot_max):
 
 
 def _wide(rank, world_size, cases):
-    tpfuse.get_communicator(max_tokens=24, hidden=512, wait_timeout_s=300)  # 8 spinning processes share 2 cores
+    tpfuse.get_communicator(
+        max_tokens=24, hidden=512, wait_timeout_s=300
+    )  # 8 spinning processes share 2 cores
     out, chosen = [], []
     with forced_table(world_size, "cpu", oneshot_max=4, hiddens=(64, 512)):
         for case in cases:
@@ -68,7 +81,12 @@ def _wide(rank, world_size, cases):
 @pytest.mark.parametrize("world_size", [4, 8])
 def test_both_kernels_at_four_and_eight_ranks(rank_pool, world_size):
     # Fewer tokens than ranks, one-shot sizes, two-shot sizes not divisible by the world size.
-    cases = [Case(3, 512, seed=1), Case(4, 64, residual=False, seed=2), Case(13, 512, seed=3), Case(20, 64, seed=4)]
+    cases = [
+        Case(3, 512, seed=1),
+        Case(4, 64, residual=False, seed=2),
+        Case(13, 512, seed=3),
+        Case(20, 64, seed=4),
+    ]
     results = rank_pool(world_size).run(_wide, cases, timeout=900)
     for i, case in enumerate(cases):
         check_results(case, world_size, [res[0][i] for res in results])

@@ -10,7 +10,7 @@ from tpfuse.testing import rank_device
 def _prefill_then_decode(fn, tokens, device):
     logits = [fn(tokens[:, :4], torch.arange(4, device=device))]  # prefill 4 positions
     for pos in range(4, tokens.shape[1]):  # then one token a step
-        logits.append(fn(tokens[:, pos:pos + 1], torch.tensor([pos], device=device)))
+        logits.append(fn(tokens[:, pos : pos + 1], torch.tensor([pos], device=device)))
     return torch.cat(logits, dim=1).float()
 
 
@@ -23,7 +23,9 @@ def _decode(rank, world_size):
         exact = Transformer.build("tiny", device=device, dtype=torch.float32)
         exact.setup_caches(max_batch=3, max_seq=16)
         full = torch.stack([exact(seq) for seq in tokens])  # no cache: one causal pass a sequence
-        out["cache vs full pass (fp32)"] = (_prefill_then_decode(exact, tokens, device) - full).abs().max().item()
+        out["cache vs full pass (fp32)"] = (
+            (_prefill_then_decode(exact, tokens, device) - full).abs().max().item()
+        )
 
         model = Transformer.build("tiny", device=device)
         model.setup_caches(max_batch=3, max_seq=16)

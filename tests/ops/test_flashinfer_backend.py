@@ -26,14 +26,18 @@ def _both_backends(rank, world_size, cases):
     ours = tpfuse.get_communicator(max_tokens=1024, hidden=4096)
     group = dist.new_group(list(range(world_size)))
     theirs = tpfuse.get_communicator(group, max_tokens=1024, hidden=4096, backend="flashinfer")
-    limits = {h: (ours.max_token_num(h, torch.bfloat16), theirs.max_token_num(h, torch.bfloat16))
-              for h in (2048, 4096, 5120)}
+    limits = {
+        h: (ours.max_token_num(h, torch.bfloat16), theirs.max_token_num(h, torch.bfloat16))
+        for h in (2048, 4096, 5120)
+    }
     tpfuse.reset_stats()
     out = []
     for case in cases:
         inp = case.inputs(world_size, device)
         args = (inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
-        out.append([tuple(t.cpu() for t in tpfuse.allreduce_add_rmsnorm(*args, group=g)) for g in (None, group)])
+        out.append(
+            [tuple(t.cpu() for t in tpfuse.allreduce_add_rmsnorm(*args, group=g)) for g in (None, group)]
+        )
     stats = tpfuse.stats()
     tpfuse.destroy_all()
     return limits, out, stats
@@ -41,9 +45,15 @@ def _both_backends(rank, world_size, cases):
 
 @pytest.mark.skipif(not _flashinfer_available(), reason="needs 2 GPUs and FlashInfer")
 def test_flashinfer_backend_matches_float64_and_our_limit(rank_pool):
-    cases = [Case(t, h, dtype, residual=t != 3, seed=t)
-             for t, h, dtype in ((1, 4096, torch.bfloat16), (3, 5120, torch.float16), (64, 4096, torch.bfloat16),
-                                 (700, 2048, torch.bfloat16))]
+    cases = [
+        Case(t, h, dtype, residual=t != 3, seed=t)
+        for t, h, dtype in (
+            (1, 4096, torch.bfloat16),
+            (3, 5120, torch.float16),
+            (64, 4096, torch.bfloat16),
+            (700, 2048, torch.bfloat16),
+        )
+    ]
     results = rank_pool(2, "nccl").run(_both_backends, cases)
     for limits, _, stats in results:
         assert all(a == b > 0 for a, b in limits.values()), limits

@@ -71,7 +71,7 @@ def _mismatch(rank, world_size, debug):
         os.environ.pop("TPFUSE_DEBUG", None)
     comm = tpfuse.get_communicator()
     region = comm.workspace._keep_alive[rank].view(ws.NUM_SLOTS, world_size, -1)[0, 1 - rank]
-    untouched_past_calls = bool((region[5 * 512:] == ws.SENTINEL).all())
+    untouched_past_calls = bool((region[5 * 512 :] == ws.SENTINEL).all())
     dist.barrier()
     tpfuse.destroy_all()
     return raised, untouched_past_calls
@@ -79,8 +79,10 @@ def _mismatch(rank, world_size, debug):
 
 def test_mismatched_calls_are_named_in_debug_mode(rank_pool):
     for raised, _ in rank_pool(2).run(_mismatch, True):
-        assert "the ranks' fused calls differ (rank 0: 5 x 512 bfloat16 oneshot; rank 1: 3 x 512 bfloat16 " \
-               "oneshot)" in raised, raised
+        assert (
+            "the ranks' fused calls differ (rank 0: 5 x 512 bfloat16 oneshot; rank 1: 3 x 512 bfloat16 "
+            "oneshot)" in raised
+        ), raised
 
 
 def test_mismatched_calls_without_debug_time_out_and_stay_in_bounds(rank_pool):
@@ -95,7 +97,9 @@ def _edges(rank, world_size, backend, oneshot_max):
     tpfuse.destroy_all()
     tpfuse.get_communicator(max_tokens=16, hidden=512)
     big = torch.finfo(torch.bfloat16).max / 4
-    xs = [torch.randn(6, 512, generator=torch.Generator().manual_seed(r)).bfloat16() for r in range(world_size)]
+    xs = [
+        torch.randn(6, 512, generator=torch.Generator().manual_seed(r)).bfloat16() for r in range(world_size)
+    ]
     xs[0][0, 7] = float("nan")
     xs[1][1, 9] = float("inf")
     xs[0][2, 3], xs[1][2, 3] = float("inf"), float("-inf")  # inf - inf
@@ -121,7 +125,7 @@ def test_nan_inf_zero_and_huge_values(rank_pool, backend, oneshot_max):
     for _, y_r, h_r, *_ in results:  # identical on every rank, NaN payloads included
         assert torch.equal(y_r.view(torch.int16), y.view(torch.int16))
         assert torch.equal(h_r.view(torch.int16), h.view(torch.int16))
-    total = (xs[0].float() + xs[1].float())
+    total = xs[0].float() + xs[1].float()
     h_ref = (total + residual.float()).bfloat16()
     torch.testing.assert_close(h, h_ref, equal_nan=True, atol=0, rtol=0.01)
     assert h[0, 7].isnan() and h[1, 9].isinf() and h[2, 3].isnan()
@@ -130,8 +134,13 @@ def test_nan_inf_zero_and_huge_values(rank_pool, backend, oneshot_max):
     assert h[4].isfinite().all()
     # The norm follows torch's fp32 RMSNorm exactly in kind: for the huge row, sum(h^2) overflows fp32
     # and y is 0 (an unfused model computes the same); for the inf row, y is NaN where h is inf.
-    y_torch, _ = add_rmsnorm_reference(h.float() if chosen == "twoshot" else total, residual if chosen != "twoshot"
-                                       else None, weight, 1e-6, out_dtype=torch.bfloat16)
+    y_torch, _ = add_rmsnorm_reference(
+        h.float() if chosen == "twoshot" else total,
+        residual if chosen != "twoshot" else None,
+        weight,
+        1e-6,
+        out_dtype=torch.bfloat16,
+    )
     torch.testing.assert_close(y, y_torch, equal_nan=True, atol=0.02, rtol=0.02)
     assert torch.equal(y[4], torch.zeros_like(y[4]))
 
@@ -175,9 +184,11 @@ def test_hundred_communicators_leave_nothing_behind(rank_pool, backend):
 
 
 @pytest.mark.skipif("nccl" not in BACKENDS, reason="needs 2 GPUs")
-@pytest.mark.xfail(strict=True, reason="torch 2.11's symmetric memory keeps ~5 MB of device memory per workspace "
-                   "created and freed (measured 1.0 GB after 200); tpfuse drops every reference")
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch 2.11's symmetric memory keeps ~5 MB of device memory per workspace "
+    "created and freed (measured 1.0 GB after 200); tpfuse drops every reference",
+)
 def test_hundred_communicators_give_gpu_memory_back(rank_pool):
     for report in rank_pool(2, "nccl").run(_many_communicators, "nccl", timeout=900):
         assert report["GPU memory kept"] < 64 << 20, report["GPU memory kept"]
-

@@ -27,17 +27,25 @@ def _soak(rank, world_size, seconds):
     deadline = time.monotonic() + seconds  # rank 0's clock decides when every rank stops
     stop = torch.zeros(1, device=device)
     while True:
-        case = Case(rng.choice([1, 2, 3, 7, 64, 100, 255, 256, 257, 511, 1000, 2048]),
-                    rng.choice([4096, 7168, 8192, 2048]), rng.choice([torch.bfloat16, torch.float16]),
-                    residual=rng.random() < 0.8, seed=calls)
+        case = Case(
+            rng.choice([1, 2, 3, 7, 64, 100, 255, 256, 257, 511, 1000, 2048]),
+            rng.choice([4096, 7168, 8192, 2048]),
+            rng.choice([torch.bfloat16, torch.float16]),
+            residual=rng.random() < 0.8,
+            seed=calls,
+        )
         if case.tokens * case.hidden > 2048 * 8192:
             continue
         inp = case.inputs(world_size, device)
         y, h = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
         calls += 1
         if calls % 50 == 0:  # check one call in 50: float64 reference and bit-identity across ranks
-            y_ref, _ = fused_reference_float64([x.cpu() for x in inp["xs"]], None if inp["residual"] is None
-                                               else inp["residual"].cpu(), inp["weight"].cpu(), case.eps)
+            y_ref, _ = fused_reference_float64(
+                [x.cpu() for x in inp["xs"]],
+                None if inp["residual"] is None else inp["residual"].cpu(),
+                inp["weight"].cpu(),
+                case.eps,
+            )
             atol, rtol = TOLERANCE[case.dtype]
             err = ((y.cpu().double() - y_ref).abs() - rtol * y_ref.abs()).max().item()
             worst = max(worst, err)
@@ -60,5 +68,8 @@ def _soak(rank, world_size, seconds):
 def test_eager_soak_random_shapes(rank_pool):
     results = rank_pool(2, "nccl").run(_soak, SOAK_SECONDS, timeout=SOAK_SECONDS + 600)
     calls, checked, worst, stats = results[0]
-    print(f"soak: {calls} calls in {SOAK_SECONDS:g} s, {checked} checked, worst excess error {worst:.2e}, {stats}")
+    print(
+        f"soak: {calls} calls in {SOAK_SECONDS:g} s, {checked} checked, "
+        f"worst excess error {worst:.2e}, {stats}"
+    )
     assert checked >= 1 and stats.get("triton.oneshot", 0) > 0 and stats.get("triton.twoshot", 0) > 0

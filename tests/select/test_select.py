@@ -29,7 +29,10 @@ def _write(path, world, limits, device="cpu"):
 def test_defaults_without_a_table(clean_tables):
     table = select.algorithm_table(2, "cpu")
     assert table.source == "defaults"
-    assert table.token_limits(4096) == (select.DEFAULT_ONESHOT_MAX_BYTES[2] // 8192, select.DEFAULT_FUSED_MAX_BYTES // 8192)
+    assert table.token_limits(4096) == (
+        select.DEFAULT_ONESHOT_MAX_BYTES[2] // 8192,
+        select.DEFAULT_FUSED_MAX_BYTES // 8192,
+    )
     # the one-shot's share shrinks with the world size
     assert select.algorithm_table(8, "cpu").token_limits(4096)[0] < table.token_limits(4096)[0]
 
@@ -67,14 +70,23 @@ def test_choice_follows_table_and_workspace(clean_tables):
     _write(clean_tables / "user" / "cpu-w4.json", 4, {4096: (2, 100)})
     ws = 64 * 4096 * 2  # 64 rows fit
     choose = lambda n: select.choose_algorithm(n, 4096, torch.bfloat16, 4, ws, "cpu")  # noqa: E731
-    assert [choose(n) for n in (1, 2, 3, 4, 64, 65)] == ["oneshot", "oneshot", "oneshot", "twoshot", "twoshot",
-                                                        "reference"]
+    assert [choose(n) for n in (1, 2, 3, 4, 64, 65)] == [
+        "oneshot",
+        "oneshot",
+        "oneshot",
+        "twoshot",
+        "twoshot",
+        "reference",
+    ]
     assert select.max_token_num(4096, torch.bfloat16, 4, ws, "cpu") == 64
     assert select.max_token_num(4096, torch.bfloat16, 4, 1 << 30, "cpu") == 100
     assert select.max_token_num(4096, torch.float32, 4, ws, "cpu") == 0
     assert select.max_token_num(4100, torch.bfloat16, 4, ws, "cpu") == 0
     assert algorithm_ranges(4096, torch.bfloat16, 4, ws, "cpu") == [
-        (1, 3, "oneshot"), (4, 64, "twoshot"), (65, None, "reference")]
+        (1, 3, "oneshot"),
+        (4, 64, "twoshot"),
+        (65, None, "reference"),
+    ]
 
 
 def test_tune_derives_prefix_limits():

@@ -75,8 +75,17 @@ def _fill_caches(model, device: torch.device) -> None:
             cache.copy_(torch.randn(cache.shape, generator=gen, device=device, dtype=cache.dtype))
 
 
-def e2e_rank(rank: int, world_size: int, preset: str, layers: int | None, batches: list[int], prefill: int,
-             providers: list[str], device: torch.device | None = None, iters: int = 20) -> list[dict]:
+def e2e_rank(
+    rank: int,
+    world_size: int,
+    preset: str,
+    layers: int | None,
+    batches: list[int],
+    prefill: int,
+    providers: list[str],
+    device: torch.device | None = None,
+    iters: int = 20,
+) -> list[dict]:
     """Time every provider on this rank (the process group is set up); the rows, the same on every rank.
 
     ``device`` defaults to the current GPU; on the CPU (tests) the kernels run in Triton's interpreter.
@@ -89,10 +98,23 @@ def e2e_rank(rank: int, world_size: int, preset: str, layers: int | None, batche
     model = Transformer.build(preset, device=device, **overrides)
     model.setup_caches(max_batch=max(batches), max_seq=prefill + 1)
     gen = torch.Generator().manual_seed(0)
-    workloads = [(f"decode b{b}", b, torch.randint(0, model.args.vocab_size, (b, 1), generator=gen).to(device),
-                  torch.tensor([prefill], device=device)) for b in batches]
-    workloads.append((f"prefill {prefill}", 1, torch.randint(0, model.args.vocab_size, (1, prefill), generator=gen)
-                      .to(device), torch.arange(prefill, device=device)))
+    workloads = [
+        (
+            f"decode b{b}",
+            b,
+            torch.randint(0, model.args.vocab_size, (b, 1), generator=gen).to(device),
+            torch.tensor([prefill], device=device),
+        )
+        for b in batches
+    ]
+    workloads.append(
+        (
+            f"prefill {prefill}",
+            1,
+            torch.randint(0, model.args.vocab_size, (1, prefill), generator=gen).to(device),
+            torch.arange(prefill, device=device),
+        )
+    )
     rows = {name: {"workload": name, "tokens": tokens.numel()} for name, _, tokens, _ in workloads}
     reference = {}
     total, done = len(providers) * len(workloads), 0
@@ -115,14 +137,19 @@ def e2e_rank(rank: int, world_size: int, preset: str, layers: int | None, batche
                 rows[name][f"{provider}_ms"] = _ms_per_call(lambda: fn(tokens, pos), device, iters)
             rows[name][f"{provider}_fused_calls"] = fused
             if rank == 0:
-                print(f"\n{provider:>10} {name:>14}: {rows[name][f'{provider}_ms']:.3f} ms, {fused} fused calls",
-                      flush=True)
+                print(
+                    f"\n{provider:>10} {name:>14}: {rows[name][f'{provider}_ms']:.3f} ms, "
+                    f"{fused} fused calls",
+                    flush=True,
+                )
             if provider == "unfused":
                 reference[name] = logits
             elif name in reference:
                 ref = reference[name]
                 rows[name][f"{provider}_logit_diff"] = ((logits - ref).abs().max() / ref.abs().max()).item()
-                rows[name][f"{provider}_argmax_agree"] = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+                rows[name][f"{provider}_argmax_agree"] = (
+                    (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+                )
             done += 1
     if rank == 0:
         progress(total, total, "e2e: done")
@@ -147,8 +174,13 @@ def write_outputs(rows: list[dict], title: str, out_dir: str) -> None:
     print(f"\n{title}")
     print(f"{'workload':>14} " + " ".join(f"{k:>20}" for k in cols))
     for row in rows:
-        print(f"{row['workload']:>14} " + " ".join(
-            f"{row[k]:>20.4g}" if isinstance(row.get(k), float) else f"{row.get(k, '-'):>20}" for k in cols))
+        print(
+            f"{row['workload']:>14} "
+            + " ".join(
+                f"{row[k]:>20.4g}" if isinstance(row.get(k), float) else f"{row.get(k, '-'):>20}"
+                for k in cols
+            )
+        )
     try:
         import matplotlib
 
@@ -161,9 +193,15 @@ def write_outputs(rows: list[dict], title: str, out_dir: str) -> None:
     fig, ax = plt.subplots(figsize=(2 + 1.6 * len(rows), 4))
     width = 0.8 / len(providers)
     for i, provider in enumerate(providers):
-        ax.bar([j + i * width for j in range(len(rows))], [row.get(f"{provider}_ms", 0) for row in rows],
-               width, label=provider)
-    ax.set_xticks([j + width * (len(providers) - 1) / 2 for j in range(len(rows))], [r["workload"] for r in rows])
+        ax.bar(
+            [j + i * width for j in range(len(rows))],
+            [row.get(f"{provider}_ms", 0) for row in rows],
+            width,
+            label=provider,
+        )
+    ax.set_xticks(
+        [j + width * (len(providers) - 1) / 2 for j in range(len(rows))], [r["workload"] for r in rows]
+    )
     ax.set_yscale("log")
     ax.set_ylabel("ms per call (CUDA graphs)")
     ax.set_title(title, fontsize=9)
@@ -176,12 +214,15 @@ def describe(preset: str, layers: int | None, world_size: int) -> str:
     from tpfuse.models.llama import PRESETS
 
     args = PRESETS[preset]
-    return (f"{preset} ({layers or args.n_layers} layers, hidden {args.dim}, bf16), {world_size} x "
-            f"{torch.cuda.get_device_name()}, decode steps and prefill, ms per call")
+    return (
+        f"{preset} ({layers or args.n_layers} layers, hidden {args.dim}, bf16), {world_size} x "
+        f"{torch.cuda.get_device_name()}, decode steps and prefill, ms per call"
+    )
 
 
-def run_e2e_bench(preset: str, layers: int | None, batches: list[int], prefill: int, providers: list[str],
-                  out_dir: str) -> int:
+def run_e2e_bench(
+    preset: str, layers: int | None, batches: list[int], prefill: int, providers: list[str], out_dir: str
+) -> int:
     """Entry point of ``python -m tpfuse bench e2e``; run it under torchrun, one process a GPU."""
     from tpfuse.bench.kernel import finish_torchrun, init_torchrun
 

@@ -112,7 +112,8 @@ def write_outputs(rows: list[dict], ceiling: float, out_dir: str) -> None:
             axes[0][col].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k)
             axes[1][col].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=k)
         axes[1][col].axhline(ceiling, color="black", linestyle="--", label="peer copy")
-        for ax, ylabel in ((axes[0][col], "us per call (CUDA graph)"), (axes[1][col], "GB/s (one rank's x / time)")):
+        labels = ((axes[0][col], "us per call (CUDA graph)"), (axes[1][col], "GB/s (one rank's x / time)"))
+        for ax, ylabel in labels:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("tokens")

@@ -66,7 +66,9 @@ class Providers:
         if self.fi is not None:
             self.fi.release()
 
-    def calls(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    def calls(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
+    ) -> dict[str, Callable[[], torch.Tensor]]:
         """name -> a function that runs that provider once and returns its y (outputs preallocated)."""
         import tpfuse
         from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
@@ -85,9 +87,21 @@ class Providers:
 
         def launcher(launch, **kwargs):
             def call():
-                launch(x, residual, weight, EPS, y, h, comm.workspace, comm.rank, comm.world_size,
-                       comm.max_programs, **kwargs)
+                launch(
+                    x,
+                    residual,
+                    weight,
+                    EPS,
+                    y,
+                    h,
+                    comm.workspace,
+                    comm.rank,
+                    comm.world_size,
+                    comm.max_programs,
+                    **kwargs,
+                )
                 return y
+
             return call
 
         for name in self.requested:
@@ -101,16 +115,20 @@ class Providers:
                 variant = OneShotVariant(**ONESHOT_VARIANTS[name.split(":", 1)[1]])
                 out[name] = launcher(oneshot_allreduce_add_rmsnorm, variant=variant)
             elif name == "nccl":
+
                 def nccl():
                     reduced = x.clone()
                     dist.all_reduce(reduced)
                     return norm(reduced)
+
                 out["nccl+norm"] = nccl
             elif name == "symm_mem":
+
                 def symm_oneshot():
                     buf = self.symm_buf[: n * hidden].view(n, hidden)
                     buf.copy_(x)
                     return norm(torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group_name))
+
                 out["symm_oneshot+norm"] = symm_oneshot
             elif name == "flashinfer" and self.fi is not None:
                 fi_y, fi_h = torch.empty_like(x), torch.empty_like(x)
@@ -121,6 +139,7 @@ class Providers:
                     def fi_call(algorithm=algorithm):
                         self.fi.run(algorithm, x, residual, weight, EPS, fi_y, fi_h)
                         return fi_y
+
                     out[label] = fi_call
         return out
 

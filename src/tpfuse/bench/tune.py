@@ -35,7 +35,9 @@ def derive_limits(times: dict[int, dict[str, float]], world_size: int) -> tuple[
     for n in sorted(times):
         fused = min(t for k, t in times[n].items() if k.startswith("tpfuse:"))
         if fused > times[n]["nccl+norm"]:
-            reasons.append(f"NCCL + norm wins from {n} tokens ({times[n]['nccl+norm']:.1f} us vs {fused:.1f})")
+            reasons.append(
+                f"NCCL + norm wins from {n} tokens ({times[n]['nccl+norm']:.1f} us vs {fused:.1f})"
+            )
             break
         fused_max = n
     oneshot_max = 0
@@ -44,8 +46,9 @@ def derive_limits(times: dict[int, dict[str, float]], world_size: int) -> tuple[
             break
         two = times[n].get("tpfuse:twoshot")
         if n >= world_size and two is not None and two < times[n]["tpfuse:oneshot"]:
-            reasons.append(f"two-shot wins from {n} tokens ({two:.1f} us vs one-shot "
-                           f"{times[n]['tpfuse:oneshot']:.1f})")
+            reasons.append(
+                f"two-shot wins from {n} tokens ({two:.1f} us vs one-shot {times[n]['tpfuse:oneshot']:.1f})"
+            )
             break
         oneshot_max = n
     return oneshot_max, fused_max, reasons
@@ -64,9 +67,11 @@ def tune_rank(hiddens: list[int], tokens: list[int]) -> dict[int, dict[int, dict
                 progress(done, total, f"tune: hidden {hidden}, {n} tokens")
             x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
             residual = torch.randn_like(x)
-            times[hidden][n] = {name: graph_replay_us(call)
-                                for name, call in resources.calls(x, residual, weight).items()
-                                if not (name == "tpfuse:twoshot" and n < world)}
+            times[hidden][n] = {
+                name: graph_replay_us(call)
+                for name, call in resources.calls(x, residual, weight).items()
+                if not (name == "tpfuse:twoshot" and n < world)
+            }
             done += 1
     if rank == 0:
         progress(done, total, "tune: done")
@@ -87,25 +92,46 @@ def run_tune(hiddens: list[int], tokens: list[int], out: str | None) -> int:
             for hidden, per_count in times.items():
                 oneshot_max, fused_max, reasons = derive_limits(per_count, world)
                 limits[hidden] = (oneshot_max, fused_max)
-                lines.append(f"hidden {hidden}: one-shot up to {oneshot_max} tokens, two-shot up to {fused_max}, "
-                             f"NCCL above" + ("; " + "; ".join(reasons) if reasons else ""))
-                print(f"\nhidden {hidden}: {'tokens':>6} {'one-shot':>9} {'two-shot':>9} {'nccl+norm':>9}  chosen")
+                lines.append(
+                    f"hidden {hidden}: one-shot up to {oneshot_max} tokens, two-shot up to {fused_max}, "
+                    f"NCCL above" + ("; " + "; ".join(reasons) if reasons else "")
+                )
+                print(
+                    f"\nhidden {hidden}: {'tokens':>6} {'one-shot':>9} {'two-shot':>9} "
+                    f"{'nccl+norm':>9}  chosen"
+                )
                 for n, t in per_count.items():
-                    chosen = (select.REFERENCE if n > fused_max else
-                              select.ONESHOT if n <= oneshot_max or n < world else select.TWOSHOT)
-                    print(f"{'':>14}{n:>6} {t['tpfuse:oneshot']:>9.2f} {t.get('tpfuse:twoshot', float('nan')):>9.2f} "
-                          f"{t['nccl+norm']:>9.2f}  {chosen}")
+                    chosen = (
+                        select.REFERENCE
+                        if n > fused_max
+                        else select.ONESHOT
+                        if n <= oneshot_max or n < world
+                        else select.TWOSHOT
+                    )
+                    print(
+                        f"{'':>14}{n:>6} {t['tpfuse:oneshot']:>9.2f} "
+                        f"{t.get('tpfuse:twoshot', float('nan')):>9.2f} "
+                        f"{t['nccl+norm']:>9.2f}  {chosen}"
+                    )
             table = select.AlgorithmTable(torch.cuda.get_device_name(device), world, limits)
-            path = Path(out) if out else select.user_table_dir() / select.table_filename(select.device_slug(device), world)
+            path = (
+                Path(out)
+                if out
+                else select.user_table_dir() / select.table_filename(select.device_slug(device), world)
+            )
             path.parent.mkdir(parents=True, exist_ok=True)
             data = table.to_json(
-                measured=datetime.date.today().isoformat(), torch=torch.__version__,
+                measured=datetime.date.today().isoformat(),
+                torch=torch.__version__,
                 command=" ".join(["python -m tpfuse tune"] + sys.argv[2:]),
-                times_us={str(h): {str(n): t for n, t in per.items()} for h, per in times.items()})
+                times_us={str(h): {str(n): t for n, t in per.items()} for h, per in times.items()},
+            )
             path.write_text(json.dumps(data, indent=1) + "\n")
             print("\n" + "\n".join(lines))
-            print(f"wrote {path}; later runs on {select.device_slug(device)} with {world} ranks use it "
-                  "(TPFUSE_TABLE_DIR or TPFUSE_TUNE_TABLE override where tables are found)")
+            print(
+                f"wrote {path}; later runs on {select.device_slug(device)} with {world} ranks use it "
+                "(TPFUSE_TABLE_DIR or TPFUSE_TUNE_TABLE override where tables are found)"
+            )
     finally:
         finish_torchrun()
     return 0

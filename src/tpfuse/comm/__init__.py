@@ -9,4 +9,11 @@ from tpfuse.comm.communicator import (
     resolve_group,
 )
 
-__all__ = ["Communicator", "check_errors", "destroy_all", "get_communicator", "lookup_communicator", "resolve_group"]
+__all__ = [
+    "Communicator",
+    "check_errors",
+    "destroy_all",
+    "get_communicator",
+    "lookup_communicator",
+    "resolve_group",
+]

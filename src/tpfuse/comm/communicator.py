@@ -79,7 +79,8 @@ class Communicator:
         self.workspace: ws.Workspace | None = None
         self.flashinfer = None
         self.max_programs = 0
-        self.wait_timeout_s = float(wait_timeout_s or os.environ.get("TPFUSE_WAIT_TIMEOUT_S") or DEFAULT_WAIT_TIMEOUT_S)
+        self.wait_timeout_s = float(
+            wait_timeout_s or os.environ.get("TPFUSE_WAIT_TIMEOUT_S") or DEFAULT_WAIT_TIMEOUT_S)
         self._destroyed = False
         self._error: str | None = None  # set once a kernel's wait ran out: the communicator is unusable
         self._allocate(max_tokens, hidden)
@@ -128,10 +129,11 @@ class Communicator:
         return self.workspace.region_bytes if self.workspace is not None else 0
 
     def max_token_num(self, hidden: int, dtype: torch.dtype) -> int:
-        """Largest token count a fused call of this group can take (see :func:`tpfuse.select.max_token_num`)."""
+        """Largest token count a fused call of this group can take (:func:`tpfuse.select.max_token_num`)."""
         return select.max_token_num(hidden, dtype, self.world_size, self.workspace_bytes, self.device)
 
-    def choose_algorithm(self, n_tokens: int, hidden: int, dtype: torch.dtype, quantized: bool = False) -> str:
+    def choose_algorithm(self, n_tokens: int, hidden: int, dtype: torch.dtype,
+                         quantized: bool = False) -> str:
         """The algorithm a call of this group runs (see :func:`tpfuse.select.choose_algorithm`)."""
         if quantized and self.flashinfer is not None:
             return select.REFERENCE  # not wired to FlashInfer's fp8 pattern

@@ -21,7 +21,9 @@ def load_flashinfer():
 
         fi.get_trtllm_comm_module()  # builds or loads the compiled kernels
     except Exception as exc:  # an import, a missing build or a CUDA problem: all mean "not usable"
-        raise ImportError(f"flashinfer's fused all-reduce is not usable: {type(exc).__name__}: {exc}") from exc
+        raise ImportError(
+            f"flashinfer's fused all-reduce is not usable: {type(exc).__name__}: {exc}"
+        ) from exc
     return fi
 
 
@@ -33,25 +35,48 @@ class FlashInferWorkspace:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.max_tokens, self.hidden = max_tokens, hidden
         self._ipc_handles, self._workspace = self._fi.trtllm_create_ipc_workspace_for_all_reduce_fusion(
-            self.rank, self.world_size, max_tokens, hidden, group=group)[:2]
+            self.rank, self.world_size, max_tokens, hidden, group=group
+        )[:2]
 
     @property
     def region_bytes(self) -> int:
         return self.max_tokens * self.hidden * 2
 
-    def run(self, algorithm: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            eps: float, y: torch.Tensor, h: torch.Tensor) -> None:
+    def run(
+        self,
+        algorithm: str,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        y: torch.Tensor,
+        h: torch.Tensor,
+    ) -> None:
         n_tokens, hidden = x.shape
         fi = self._fi
         fi.trtllm_allreduce_fusion(
-            allreduce_in=x, world_size=self.world_size, world_rank=self.rank, token_num=n_tokens,
-            hidden_dim=hidden, workspace_ptrs=self._workspace, launch_with_pdl=True,
-            trigger_completion_at_end=True, fp32_acc=True,
-            pattern_code=fi.AllReduceFusionPattern.kARResidualRMSNorm, use_oneshot=algorithm == ONESHOT,
-            allreduce_out=None, residual_in=residual if residual is not None else torch.zeros_like(x),
-            residual_out=h, norm_out=y, quant_out=None, scale_out=None,
-            rms_gamma=weight if weight.dtype == x.dtype else weight.to(x.dtype), rms_eps=eps,
-            scale_factor=None, layout_code=None)
+            allreduce_in=x,
+            world_size=self.world_size,
+            world_rank=self.rank,
+            token_num=n_tokens,
+            hidden_dim=hidden,
+            workspace_ptrs=self._workspace,
+            launch_with_pdl=True,
+            trigger_completion_at_end=True,
+            fp32_acc=True,
+            pattern_code=fi.AllReduceFusionPattern.kARResidualRMSNorm,
+            use_oneshot=algorithm == ONESHOT,
+            allreduce_out=None,
+            residual_in=residual if residual is not None else torch.zeros_like(x),
+            residual_out=h,
+            norm_out=y,
+            quant_out=None,
+            scale_out=None,
+            rms_gamma=weight if weight.dtype == x.dtype else weight.to(x.dtype),
+            rms_eps=eps,
+            scale_factor=None,
+            layout_code=None,
+        )
 
     def release(self) -> None:
         if self._ipc_handles is not None:

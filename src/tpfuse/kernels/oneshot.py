@@ -29,8 +29,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tpfuse.comm.workspace import STATE_LEN, Workspace
-from tpfuse.kernels.protocol import (DEFAULT_WAIT_TIMEOUT_S, _clear_slot, _finish_call, _peer_base, _sendable_bits,
-                                     _start_clock, _store_normed, _wait_row, wait_limit_for)
+from tpfuse.kernels.protocol import (DEFAULT_WAIT_TIMEOUT_S, _clear_slot, _finish_call, _peer_base,
+                                     _sendable_bits, _start_clock, _store_normed, _wait_row, wait_limit_for)
 
 
 @triton.jit

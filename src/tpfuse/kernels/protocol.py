@@ -85,8 +85,18 @@ def _wait_row(src, mask, limit, USE_CLOCK: tl.constexpr):
 
 
 @triton.jit
-def _clear_slot(own, slot_base, region_elems, extent, first, step, cols,
-                RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr):
+def _clear_slot(
+    own,
+    slot_base,
+    region_elems,
+    extent,
+    first,
+    step,
+    cols,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """Reset the peers' regions of a slot to the sentinel over ``extent`` words, strided by program.
 
     Our own region is never written by anyone (we keep our rows in x), so it stays clear.

@@ -31,8 +31,18 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tpfuse.comm.workspace import STATE_LEN, Workspace
 from tpfuse.kernels.oneshot import launch_config
-from tpfuse.kernels.protocol import (DEFAULT_WAIT_TIMEOUT_S, _clear_slot, _finish_call, _peer_base, _sendable,
-                                     _sendable_bits, _start_clock, _store_normed, _wait_row, wait_limit_for)
+from tpfuse.kernels.protocol import (
+    DEFAULT_WAIT_TIMEOUT_S,
+    _clear_slot,
+    _finish_call,
+    _peer_base,
+    _sendable,
+    _sendable_bits,
+    _start_clock,
+    _store_normed,
+    _wait_row,
+    wait_limit_for,
+)
 
 
 @triton.jit
@@ -50,11 +60,26 @@ def _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, 
 
 @triton.jit
 def _twoshot_allreduce_add_rmsnorm_kernel(
-    x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, scale_ptr,
-    peer_ptrs_ptr, state_ptr,
-    n_tokens, hidden, region_elems, eps, wait_limit,
-    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr, USE_CLOCK: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    y_ptr,
+    h_ptr,
+    scale_ptr,
+    peer_ptrs_ptr,
+    state_ptr,
+    n_tokens,
+    hidden,
+    region_elems,
+    eps,
+    wait_limit,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_QUANT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    USE_CLOCK: tl.constexpr,
 ):
     if USE_PDL:  # see the one-shot kernel
         gdc_wait()
@@ -78,8 +103,11 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
         owner = _owner(row, n_programs, WORLD)
         if owner != RANK:
             offs = row.to(tl.int64) * hidden + cols
-            tl.store(_peer_base(peer_ptrs_ptr, owner) + send_base + offs, _sendable_bits(x_ptr, offs, mask),
-                     mask=mask)
+            tl.store(
+                _peer_base(peer_ptrs_ptr, owner) + send_base + offs,
+                _sendable_bits(x_ptr, offs, mask),
+                mask=mask,
+            )
         row += n_programs
     _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
@@ -98,8 +126,9 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
                 if r == RANK:
                     bits = _sendable_bits(x_ptr, offs, mask)
                 else:
-                    bits, limit, missing = _wait_row(own + slot_base + r * region_elems + offs, mask, limit,
-                                                     USE_CLOCK)
+                    bits, limit, missing = _wait_row(
+                        own + slot_base + r * region_elems + offs, mask, limit, USE_CLOCK
+                    )
                     failed |= missing
                 acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
             if HAS_RESIDUAL:
@@ -117,8 +146,9 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
         owner = _owner(row, n_programs, WORLD)
         if owner != RANK:
             offs = row.to(tl.int64) * hidden + cols
-            h_bits, limit, missing = _wait_row(own + slot_base + owner * region_elems + offs, mask, limit,
-                                               USE_CLOCK)
+            h_bits, limit, missing = _wait_row(
+                own + slot_base + owner * region_elems + offs, mask, limit, USE_CLOCK
+            )
             failed |= missing
             _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
         row += n_programs
@@ -146,13 +176,26 @@ def twoshot_allreduce_add_rmsnorm(
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
     block_h, num_warps, use_pdl = launch_config(hidden, x.device)
     _twoshot_allreduce_add_rmsnorm_kernel[(min(n_tokens, max_programs),)](
-        x, residual if residual is not None else x, weight,
-        y.view(torch.uint8) if quant_scale is not None else y, h,
+        x,
+        residual if residual is not None else x,
+        weight,
+        y.view(torch.uint8) if quant_scale is not None else y,
+        h,
         quant_scale if quant_scale is not None else weight,
-        workspace.peer_ptrs, workspace.state,
-        n_tokens, hidden, workspace.region_elems, eps, wait_limit,
-        RANK=rank, WORLD=world_size, BLOCK_H=block_h,
-        HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None, USE_PDL=use_pdl,
+        workspace.peer_ptrs,
+        workspace.state,
+        n_tokens,
+        hidden,
+        workspace.region_elems,
+        eps,
+        wait_limit,
+        RANK=rank,
+        WORLD=world_size,
+        BLOCK_H=block_h,
+        HAS_RESIDUAL=residual is not None,
+        HAS_QUANT=quant_scale is not None,
+        USE_PDL=use_pdl,
         USE_CLOCK=x.device.type == "cuda",
-        num_warps=num_warps, launch_pdl=use_pdl,
+        num_warps=num_warps,
+        launch_pdl=use_pdl,
     )

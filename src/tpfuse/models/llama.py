@@ -41,12 +41,16 @@ class ModelArgs:
 
 
 PRESETS = {
-    "tiny": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate=128, vocab_size=256, norm_eps=1e-6),
-    "llama-3-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate=14336, vocab_size=128256),
+    "tiny": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate=128, vocab_size=256,
+                      norm_eps=1e-6),
+    "llama-3-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate=14336,
+                            vocab_size=128256),
     # 80 layers do not fit in two GPUs: the 70B's layer shapes, fewer of them.
-    "llama-3-70b": ModelArgs(dim=8192, n_layers=8, n_heads=64, n_kv_heads=8, intermediate=28672, vocab_size=128256),
+    "llama-3-70b": ModelArgs(dim=8192, n_layers=8, n_heads=64, n_kv_heads=8, intermediate=28672,
+                             vocab_size=128256),
     # A dense stand-in with DeepSeek-V3's hidden size (its attention is MLA, its MLP mostly experts).
-    "dense-7168": ModelArgs(dim=7168, n_layers=8, n_heads=56, n_kv_heads=8, intermediate=18432, vocab_size=129280),
+    "dense-7168": ModelArgs(dim=7168, n_layers=8, n_heads=56, n_kv_heads=8, intermediate=18432,
+                            vocab_size=129280),
 }
 
 
@@ -116,8 +120,8 @@ class Attention(nn.Module):
     def forward(self, x, batch: int, input_pos: torch.Tensor | None, mask: torch.Tensor | None):
         head_dim = self.args.head_dim
         seq = x.shape[0] // batch
-        q, k, v = self.wqkv(x).view(batch, seq, -1).split(
-            [self.n_local_heads * head_dim, self.n_local_kv_heads * head_dim, self.n_local_kv_heads * head_dim], -1)
+        kv = self.n_local_kv_heads * head_dim
+        q, k, v = self.wqkv(x).view(batch, seq, -1).split([self.n_local_heads * head_dim, kv, kv], -1)
         q, k, v = (t.reshape(batch, seq, -1, head_dim).transpose(1, 2) for t in (q, k, v))
         if input_pos is not None:  # decode or prefill into the static cache, attend over all of it
             k_cache, v_cache = self.k_cache[:batch], self.v_cache[:batch]
@@ -156,7 +160,7 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids [T] or [batch, T] -> logits [T, vocab] or [batch, T, vocab]; tensor parallel over the default group.
+    """Token ids [T] or [batch, T] -> logits [T, vocab] or [batch, T, vocab], tensor parallel (default group).
 
     Without ``input_pos`` each call is a fresh causal sequence. After :meth:`setup_caches`, pass the
     positions ``input_pos`` [T] the tokens take: their keys and values go into the cache and they

@@ -85,7 +85,8 @@ class AlgorithmTable:
                   for h, v in data["hidden"].items()}
         for hidden, (oneshot, fused) in limits.items():
             if not 0 <= oneshot <= fused:
-                raise ValueError(f"{source}: hidden {hidden}: need 0 <= oneshot_max_tokens <= fused_max_tokens")
+                raise ValueError(
+                    f"{source}: hidden {hidden}: need 0 <= oneshot_max_tokens <= fused_max_tokens")
         return cls(data["device"], int(data["world_size"]), limits, source)
 
 
@@ -172,7 +173,7 @@ def choose_algorithm(
     workspace_bytes: int,
     device: torch.device | str | None = None,
 ) -> str:
-    """:data:`ONESHOT`, :data:`TWOSHOT` or :data:`REFERENCE` for one call (same arguments as :func:`max_token_num`).
+    """:data:`ONESHOT`, :data:`TWOSHOT` or :data:`REFERENCE` for a call (arguments as :func:`max_token_num`).
 
     Fewer tokens than ranks always take the one-shot: the two-shot needs a row for every rank.
     """
