@@ -96,24 +96,18 @@ def run_tune(hiddens: list[int], tokens: list[int], out: str | None) -> int:
                     f"hidden {hidden}: one-shot up to {oneshot_max} tokens, two-shot up to {fused_max}, "
                     f"NCCL above" + ("; " + "; ".join(reasons) if reasons else "")
                 )
+            table = select.AlgorithmTable(torch.cuda.get_device_name(device), world, limits)
+            for hidden, per_count in times.items():
                 print(
                     f"\nhidden {hidden}: {'tokens':>6} {'one-shot':>9} {'two-shot':>9} "
                     f"{'nccl+norm':>9}  chosen"
                 )
                 for n, t in per_count.items():
-                    chosen = (
-                        select.REFERENCE
-                        if n > fused_max
-                        else select.ONESHOT
-                        if n <= oneshot_max or n < world
-                        else select.TWOSHOT
-                    )
                     print(
                         f"{'':>14}{n:>6} {t['tpfuse:oneshot']:>9.2f} "
                         f"{t.get('tpfuse:twoshot', float('nan')):>9.2f} "
-                        f"{t['nccl+norm']:>9.2f}  {chosen}"
+                        f"{t['nccl+norm']:>9.2f}  {table.choose(n, hidden)}"
                     )
-            table = select.AlgorithmTable(torch.cuda.get_device_name(device), world, limits)
             path = (
                 Path(out)
                 if out

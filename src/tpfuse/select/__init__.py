@@ -74,6 +74,16 @@ class AlgorithmTable:
         nearest = min(self.limits, key=lambda h: abs(math.log(h / hidden)))
         return tuple(t * nearest // hidden for t in self.limits[nearest])
 
+    def choose(self, n_tokens: int, hidden: int) -> str:
+        """The algorithm this table gives a call, before the workspace's own limit.
+
+        Fewer tokens than ranks always take the one-shot: the two-shot needs a row for every rank.
+        """
+        oneshot_max, fused_max = self.token_limits(hidden)
+        if n_tokens <= oneshot_max or n_tokens < self.world_size:
+            return ONESHOT
+        return TWOSHOT if n_tokens <= fused_max else REFERENCE
+
     def to_json(self, **extra) -> dict:
         return {"device": self.device, "world_size": self.world_size,
                 "hidden": {str(h): {"oneshot_max_tokens": a, "fused_max_tokens": b}
@@ -173,11 +183,11 @@ def choose_algorithm(
     workspace_bytes: int,
     device: torch.device | str | None = None,
 ) -> str:
-    """:data:`ONESHOT`, :data:`TWOSHOT` or :data:`REFERENCE` for a call (arguments as :func:`max_token_num`).
+    """:data:`ONESHOT`, :data:`TWOSHOT` or :data:`REFERENCE` for a call.
 
-    Fewer tokens than ranks always take the one-shot: the two-shot needs a row for every rank.
+    Same arguments as :func:`max_token_num`; calls over it take the reference path, the rest what the
+    table gives (:meth:`AlgorithmTable.choose`).
     """
     if n_tokens > max_token_num(hidden, dtype, world_size, workspace_bytes, device):
         return REFERENCE
-    oneshot_max, _ = algorithm_table(world_size, device).token_limits(hidden)
-    return ONESHOT if n_tokens <= oneshot_max or n_tokens < world_size else TWOSHOT
+    return algorithm_table(world_size, device).choose(n_tokens, hidden)
