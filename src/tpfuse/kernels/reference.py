@@ -19,7 +19,7 @@ def add_rmsnorm_reference(
 
     Returns ``(y, h)``: ``h`` in ``out_dtype`` (default ``reduced.dtype``), ``y`` in that dtype or
     float8_e4m3fn when ``quant_scale`` is given. ``y`` is computed from the fp32 ``h``, as the
-    kernels do, not from its rounded copy.
+    one-shot kernel does (the two-shot computes it from the rounded ``h`` that travels).
     """
     out_dtype = out_dtype or reduced.dtype
     h = reduced.float()
