@@ -49,6 +49,16 @@ def _greedy(model, device, steps: int) -> tuple[list[int], float]:
     return ids.tolist(), top
 
 
+def is_near_tie(margin: float, noise: float, largest_logit: float) -> bool:
+    """Whether greedy ids may part here without a fusion error.
+
+    bf16 sums in the unfused model, fp32 in the fused kernel: ids may part only where the unfused
+    model's top two logits are closer than twice the two models' largest logit difference, and that
+    difference must itself be small (bf16 noise: at most 5% of the largest logit).
+    """
+    return margin <= 2 * noise and noise <= 0.05 * largest_logit
+
+
 def _kernel_calls() -> int:
     import tpfuse
 
@@ -131,11 +141,7 @@ def run_demo(world_size: int | None = None) -> int:
     print(f"  greedy ids, fused:   {m['compiled']}")
     ranks_agree = all(r["compiled"] == m["compiled"] for r in model_results)
     parted = m.get("parted")
-    # bf16 sums in the unfused model, fp32 in the fused kernel: ids may part only where the unfused
-    # model's top two logits are closer than the two models' largest logit difference, and that
-    # difference must itself be small (bf16 noise, a few percent of the largest logit).
-    near_tie = (parted is not None and parted["margin"] <= 2 * parted["noise"]
-                and parted["noise"] <= 0.05 * m["top"])
+    near_tie = parted is not None and is_near_tie(parted["margin"], parted["noise"], m["top"])
     if parted is not None:
         print(f"  ids part at position {parted['step']}: the unfused model's top two logits there differ by "
               f"{parted['margin']:.4f}, the fused and unfused logits by up to {parted['noise']:.4f}: "
