@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from tpfuse.comm.workspace import STATE_LEN, Workspace
-from tpfuse.kernels.protocol import (DEFAULT_WAIT_TIMEOUT_S, _clear_slot, _finish_call, _peer_base,
-                                     _sendable_bits, _start_clock, _store_normed, _wait_row, wait_limit_for)
+from tpfuse.comm.workspace import Workspace
+from tpfuse.kernels.protocol import (_clear_slot, _finish_call, _peer_base, _sendable_bits, _slots,
+                                     _start_clock, _store_normed, _sum_in_rank_order, kernel_arguments)
 
 
 @triton.jit
@@ -63,12 +63,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         gdc_launch_dependents()
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    call = tl.load(state_ptr + 0)
-    slot = call % 3
-    slot_base = slot.to(tl.int64) * WORLD * region_elems
-    prev_slot = (call + 2) % 3
-    prev_extent = tl.load(state_ptr + 2 + prev_slot)
-    prev_base = prev_slot.to(tl.int64) * WORLD * region_elems
+    call, slot, slot_base, prev_base, prev_extent = _slots(state_ptr, region_elems, WORLD)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     own = _peer_base(peer_ptrs_ptr, RANK)
@@ -91,16 +86,8 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         if HAS_RESIDUAL:
             res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x_bits = _sendable_bits(x_ptr, offs, mask)
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for r in tl.static_range(WORLD):
-            if r == RANK:
-                bits = x_bits
-            else:
-                bits, limit, missing = _wait_row(own + slot_base + r * region_elems + offs, mask, limit,
-                                                 USE_CLOCK)
-                failed |= missing
-            acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
-        h = acc
+        h, limit, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask, limit,
+                                              failed, RANK, WORLD, BLOCK_H, USE_CLOCK)
         if HAS_RESIDUAL:
             h += res
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
@@ -168,20 +155,10 @@ def oneshot_allreduce_add_rmsnorm(
     at once (a program waits for the same program of its peers).
     """
     n_tokens, hidden = x.shape
-    if wait_limit is None:
-        wait_limit = wait_limit_for(DEFAULT_WAIT_TIMEOUT_S, x.device.type == "cuda")
-    assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
+    args, flags = kernel_arguments(x, residual, weight, eps, y, h, workspace, quant_scale, wait_limit)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant)
-    n_programs = launch_programs(n_tokens, hidden, max_programs)
-    _oneshot_allreduce_add_rmsnorm_kernel[(n_programs,)](
-        x, residual if residual is not None else x, weight,
-        y.view(torch.uint8) if quant_scale is not None else y, h,
-        quant_scale if quant_scale is not None else weight,
-        workspace.peer_ptrs, workspace.state,
-        n_tokens, hidden, workspace.region_elems, eps, wait_limit,
-        RANK=rank, WORLD=world_size, BLOCK_H=block_h,
-        HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None, USE_PDL=use_pdl,
-        USE_CLOCK=x.device.type == "cuda",
+    _oneshot_allreduce_add_rmsnorm_kernel[(launch_programs(n_tokens, hidden, max_programs),)](
+        *args, RANK=rank, WORLD=world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
         CLEAR_FIRST=variant.clear_first, RELAXED_ARRIVE=variant.relaxed_arrive,
         num_warps=num_warps, launch_pdl=use_pdl,
     )

@@ -1,4 +1,4 @@
-"""Device functions the one-shot and two-shot kernels share: the sentinel protocol and the norm.
+"""What the one-shot and two-shot kernels share: the sentinel protocol, the sum, the norm, the arguments.
 
 A word of a slot that nobody has written since it was last cleared holds the sentinel (-0.0 in
 bf16 and fp16). Writers make their own -0.0 words +0.0 before sending, so a reader knows a word
@@ -8,11 +8,13 @@ same state vector, so calls of either algorithm may follow each other in any ord
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from tpfuse.comm.workspace import SENTINEL, STATE_ERROR, STATE_ERROR_HIDDEN, STATE_ERROR_TOKENS
+from tpfuse.comm.workspace import (SENTINEL, STATE_ERROR, STATE_ERROR_HIDDEN, STATE_ERROR_TOKENS, STATE_LEN,
+                                   Workspace)
 from tpfuse.kernels.fp8 import fp32_to_e4m3fn_bits
 
 # Globals a jitted function reads must be constexpr objects.
@@ -33,6 +35,36 @@ def wait_limit_for(timeout_s: float, on_gpu: bool) -> int:
     return int(timeout_s * 1e9) if on_gpu else max(1, int(timeout_s * CPU_POLLS_PER_SECOND))
 
 
+def kernel_arguments(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    y: torch.Tensor,
+    h: torch.Tensor,
+    workspace: Workspace,
+    quant_scale: torch.Tensor | None,
+    wait_limit: int | None,
+) -> tuple[tuple, dict]:
+    """Both kernels' leading positional arguments, in order, and the flags that follow from them.
+
+    An absent residual or scale is passed as a stand-in pointer the kernel never reads; an fp8 ``y``
+    is written as bytes.
+    """
+    n_tokens, hidden = x.shape
+    on_gpu = x.device.type == "cuda"
+    if wait_limit is None:
+        wait_limit = wait_limit_for(DEFAULT_WAIT_TIMEOUT_S, on_gpu)
+    assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
+    args = (x, residual if residual is not None else x, weight,
+            y.view(torch.uint8) if quant_scale is not None else y, h,
+            quant_scale if quant_scale is not None else weight,
+            workspace.peer_ptrs, workspace.state,
+            n_tokens, hidden, workspace.region_elems, eps, wait_limit)
+    flags = dict(HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None, USE_CLOCK=on_gpu)
+    return args, flags
+
+
 @triton.jit
 def _sendable(bits):
     """int16 words with -0.0 made +0.0: a -0.0 sent as-is would read as "not arrived"."""
@@ -48,6 +80,19 @@ def _sendable_bits(ptr, offs, mask):
 @triton.jit
 def _peer_base(peer_ptrs_ptr, r):
     return tl.load(peer_ptrs_ptr + r).to(tl.pointer_type(tl.int16))
+
+
+@triton.jit
+def _slots(state_ptr, region_elems, WORLD: tl.constexpr):
+    """(call, slot, slot_base, prev_base, prev_extent): this call's number and slot, where the slot
+    and the previous call's slot start, and how many words a rank wrote into the previous one."""
+    call = tl.load(state_ptr + 0)
+    slot = call % 3
+    prev_slot = (call + 2) % 3
+    slot_base = slot.to(tl.int64) * WORLD * region_elems
+    prev_base = prev_slot.to(tl.int64) * WORLD * region_elems
+    prev_extent = tl.load(state_ptr + 2 + prev_slot)
+    return call, slot, slot_base, prev_base, prev_extent
 
 
 @triton.jit
@@ -82,6 +127,22 @@ def _wait_row(src, mask, limit, USE_CLOCK: tl.constexpr):
         if not USE_CLOCK:
             limit -= 1
     return bits, limit, (missing > 0).to(tl.int32)
+
+
+@triton.jit
+def _sum_in_rank_order(x_ptr, own_bits, slot_ptr, region_elems, offs, mask, limit, failed, RANK: tl.constexpr,
+                       WORLD: tl.constexpr, BLOCK_H: tl.constexpr, USE_CLOCK: tl.constexpr):
+    """fp32 sum of one row over the ranks, in rank order: ours from ``own_bits``, each peer's from its
+    region of our slot (``slot_ptr``) once it has arrived. Returns (sum, bound left, failed)."""
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        if r == RANK:
+            bits = own_bits
+        else:
+            bits, limit, missing = _wait_row(slot_ptr + r * region_elems + offs, mask, limit, USE_CLOCK)
+            failed |= missing
+        acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+    return acc, limit, failed
 
 
 @triton.jit

@@ -29,20 +29,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from tpfuse.comm.workspace import STATE_LEN, Workspace
+from tpfuse.comm.workspace import Workspace
 from tpfuse.kernels.oneshot import launch_config
-from tpfuse.kernels.protocol import (
-    DEFAULT_WAIT_TIMEOUT_S,
-    _clear_slot,
-    _finish_call,
-    _peer_base,
-    _sendable,
-    _sendable_bits,
-    _start_clock,
-    _store_normed,
-    _wait_row,
-    wait_limit_for,
-)
+from tpfuse.kernels.protocol import (_clear_slot, _finish_call, _peer_base, _sendable, _sendable_bits, _slots,
+                                     _start_clock, _store_normed, _sum_in_rank_order, _wait_row,
+                                     kernel_arguments)
 
 
 @triton.jit
@@ -86,12 +77,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
         gdc_launch_dependents()
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    call = tl.load(state_ptr + 0)
-    slot = call % 3
-    slot_base = slot.to(tl.int64) * WORLD * region_elems
-    prev_slot = (call + 2) % 3
-    prev_extent = tl.load(state_ptr + 2 + prev_slot)
-    prev_base = prev_slot.to(tl.int64) * WORLD * region_elems
+    call, slot, slot_base, prev_base, prev_extent = _slots(state_ptr, region_elems, WORLD)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     own = _peer_base(peer_ptrs_ptr, RANK)
@@ -121,16 +107,10 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
             offs = row.to(tl.int64) * hidden + cols
             if HAS_RESIDUAL:
                 res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-            for r in tl.static_range(WORLD):
-                if r == RANK:
-                    bits = _sendable_bits(x_ptr, offs, mask)
-                else:
-                    bits, limit, missing = _wait_row(
-                        own + slot_base + r * region_elems + offs, mask, limit, USE_CLOCK
-                    )
-                    failed |= missing
-                acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+            acc, limit, failed = _sum_in_rank_order(
+                x_ptr, _sendable_bits(x_ptr, offs, mask), own + slot_base, region_elems, offs, mask, limit,
+                failed, RANK, WORLD, BLOCK_H, USE_CLOCK
+            )
             if HAS_RESIDUAL:
                 acc += res
             # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
@@ -171,31 +151,9 @@ def twoshot_allreduce_add_rmsnorm(
 ) -> None:
     """Launch the two-shot kernel: writes ``y`` and ``h``. Same contract as the one-shot launcher."""
     n_tokens, hidden = x.shape
-    if wait_limit is None:
-        wait_limit = wait_limit_for(DEFAULT_WAIT_TIMEOUT_S, x.device.type == "cuda")
-    assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
+    args, flags = kernel_arguments(x, residual, weight, eps, y, h, workspace, quant_scale, wait_limit)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device)
     _twoshot_allreduce_add_rmsnorm_kernel[(min(n_tokens, max_programs),)](
-        x,
-        residual if residual is not None else x,
-        weight,
-        y.view(torch.uint8) if quant_scale is not None else y,
-        h,
-        quant_scale if quant_scale is not None else weight,
-        workspace.peer_ptrs,
-        workspace.state,
-        n_tokens,
-        hidden,
-        workspace.region_elems,
-        eps,
-        wait_limit,
-        RANK=rank,
-        WORLD=world_size,
-        BLOCK_H=block_h,
-        HAS_RESIDUAL=residual is not None,
-        HAS_QUANT=quant_scale is not None,
-        USE_PDL=use_pdl,
-        USE_CLOCK=x.device.type == "cuda",
-        num_warps=num_warps,
-        launch_pdl=use_pdl,
+        *args, RANK=rank, WORLD=world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
+        num_warps=num_warps, launch_pdl=use_pdl,
     )
