@@ -15,13 +15,13 @@ with the unfused model's.
 
 from __future__ import annotations
 
-import csv
 import os
 import time
 
 import torch
 import torch.distributed as dist
 
+from tpfuse.bench.output import pyplot, write_csv
 from tpfuse.bench.timing import progress
 
 PROVIDERS = ("unfused", "tpfuse", "flashinfer")
@@ -164,12 +164,7 @@ def e2e_rank(
 
 
 def write_outputs(rows: list[dict], title: str, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    keys = list(dict.fromkeys(k for row in rows for k in row))
-    with open(os.path.join(out_dir, "e2e.csv"), "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
+    keys = write_csv(rows, out_dir, "e2e.csv")
     cols = [k for k in keys if k.endswith(("_ms", "_speedup_%", "_fused_calls", "_logit_diff"))]
     print(f"\n{title}")
     print(f"{'workload':>14} " + " ".join(f"{k:>20}" for k in cols))
@@ -181,13 +176,8 @@ def write_outputs(rows: list[dict], title: str, out_dir: str) -> None:
                 for k in cols
             )
         )
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     providers = [p for p in PROVIDERS if f"{p}_ms" in keys]
     fig, ax = plt.subplots(figsize=(2 + 1.6 * len(rows), 4))

@@ -8,12 +8,12 @@ bandwidth, and the ratio FlashInfer one-shot / tpfuse; writes kernel.csv and ker
 
 from __future__ import annotations
 
-import csv
 import os
 
 import torch
 import torch.distributed as dist
 
+from tpfuse.bench.output import pyplot, write_csv
 from tpfuse.bench.providers import EPS, Providers, peer_copy_gbps
 from tpfuse.bench.timing import graph_replay_us
 
@@ -75,12 +75,7 @@ def _timed_keys(keys: list[str]) -> list[str]:
 
 
 def write_outputs(rows: list[dict], ceiling: float, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    keys = list(dict.fromkeys(k for row in rows for k in row))
-    with open(os.path.join(out_dir, "kernel.csv"), "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
+    keys = write_csv(rows, out_dir, "kernel.csv")
     timed = _timed_keys(keys)
     errs = {k: max(row[k] for row in rows if k in row) for k in keys if k.endswith("_err")}
     print("largest relative error against float64: "
@@ -95,13 +90,8 @@ def write_outputs(rows: list[dict], ceiling: float, out_dir: str) -> None:
                          for k in timed + ratios)
         bw = f"{row['tpfuse_GBps']:>12.1f}" if "tpfuse_GBps" in row else f"{'-':>12}"
         print(f"{row['hidden']:>6} {row['tokens']:>6} {row.get('algorithm', '-'):>8} {cells} {bw}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     hiddens = sorted({row["hidden"] for row in rows})
     fig, axes = plt.subplots(2, len(hiddens), figsize=(5 * len(hiddens), 8), squeeze=False)
