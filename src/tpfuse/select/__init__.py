@@ -105,7 +105,12 @@ def device_slug(device: torch.device | str | None) -> str:
     device = torch.device(device or "cpu")
     if device.type != "cuda":
         return device.type
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    return _cuda_slug(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_slug(index: int) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(index).lower()).strip("-")
 
 
 def user_table_dir() -> Path:
@@ -118,9 +123,10 @@ def table_filename(slug: str, world_size: int) -> str:
 
 
 @functools.cache
-def _load_table(slug: str, world_size: int, override: str | None, user_dir: str) -> AlgorithmTable:
+def _load_table(slug: str, world_size: int, override: str | None, environment: tuple) -> AlgorithmTable:
+    # ``environment`` holds what user_table_dir() reads, so the cache notices when it changes.
     name = table_filename(slug, world_size)
-    for path in ([Path(override)] if override else []) + [Path(user_dir) / name, SHIPPED_TABLES / name]:
+    for path in ([Path(override)] if override else []) + [user_table_dir() / name, SHIPPED_TABLES / name]:
         if path.is_file():
             table = AlgorithmTable.from_json(json.loads(path.read_text()), str(path))
             if table.world_size != world_size:
@@ -130,9 +136,12 @@ def _load_table(slug: str, world_size: int, override: str | None, user_dir: str)
 
 
 def algorithm_table(world_size: int, device: torch.device | str | None = None) -> AlgorithmTable:
-    """The table in force for ``world_size`` ranks on ``device`` (see the module docstring for the search)."""
-    return _load_table(device_slug(device), world_size, os.environ.get("TPFUSE_TUNE_TABLE"),
-                       str(user_table_dir()))
+    """The table in force for ``world_size`` ranks on ``device`` (see the module docstring for the search).
+
+    Called for every fused call, so it only reads the environment; the search runs once per setting.
+    """
+    environment = (os.environ.get("TPFUSE_TABLE_DIR"), os.environ.get("HOME"))
+    return _load_table(device_slug(device), world_size, os.environ.get("TPFUSE_TUNE_TABLE"), environment)
 
 
 def reload_tables() -> None:
@@ -169,10 +178,16 @@ def max_token_num(
         The limit: calls with at most this many tokens run fused, larger ones take the reference
         path (or, for the compiler pass, the unfused graph).
     """
+    return _limit_and_table(hidden, dtype, world_size, workspace_bytes, device)[0]
+
+
+def _limit_and_table(hidden, dtype, world_size, workspace_bytes, device) -> tuple[int, AlgorithmTable | None]:
+    """The fusion limit and the table it came from (None when nothing can be fused): one table lookup."""
     if world_size < 2 or workspace_bytes <= 0 or not kernel_supports(hidden, dtype):
-        return 0
-    _, fused_max = algorithm_table(world_size, device).token_limits(hidden)
-    return int(min(workspace_bytes // (hidden * ELEMENT_BYTES), fused_max))
+        return 0, None
+    table = algorithm_table(world_size, device)
+    _, fused_max = table.token_limits(hidden)
+    return int(min(workspace_bytes // (hidden * ELEMENT_BYTES), fused_max)), table
 
 
 def choose_algorithm(
@@ -188,6 +203,7 @@ def choose_algorithm(
     Same arguments as :func:`max_token_num`; calls over it take the reference path, the rest what the
     table gives (:meth:`AlgorithmTable.choose`).
     """
-    if n_tokens > max_token_num(hidden, dtype, world_size, workspace_bytes, device):
+    limit, table = _limit_and_table(hidden, dtype, world_size, workspace_bytes, device)
+    if n_tokens > limit:
         return REFERENCE
-    return algorithm_table(world_size, device).choose(n_tokens, hidden)
+    return table.choose(n_tokens, hidden)
