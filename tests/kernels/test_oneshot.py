@@ -73,6 +73,9 @@ def _over_capacity(rank, world_size, backend):
     device = rank_device(backend, rank)
     comm = tpfuse.get_communicator(max_tokens=24, hidden=4096)
     limit = comm.max_token_num(4096, torch.bfloat16)
+    # The pool's communicator may be larger than asked for here (an earlier test grew it), so the call
+    # at the limit may take either kernel: the one the table gives.
+    fused = comm.choose_algorithm(limit, 4096, torch.bfloat16)
     tpfuse.reset_stats()
     out = []
     for tokens in (limit, limit + 1):
@@ -80,7 +83,7 @@ def _over_capacity(rank, world_size, backend):
         inp = case.inputs(world_size, device)
         y, h = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
         out.append((case, (y.cpu(), h.cpu())))
-    return limit, out, tpfuse.stats()
+    return limit, out, tpfuse.stats(), fused
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -91,4 +94,5 @@ def test_call_over_the_workspace_takes_the_reference_path(rank_pool, backend):
     for i in range(2):
         case = results[0][1][i][0]
         check_results(case, 2, [res[1][i][1] for res in results])
-    assert all(res[2] == {"triton.oneshot": 1, "reference": 1} for res in results)
+    assert results[0][3] in ("oneshot", "twoshot"), results[0][3]
+    assert all(res[2] == {f"triton.{results[0][3]}": 1, "reference": 1} for res in results)

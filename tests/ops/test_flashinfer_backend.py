@@ -23,8 +23,9 @@ def _flashinfer_available() -> bool:
 
 def _both_backends(rank, world_size, cases):
     device = rank_device("nccl", rank)
-    ours = tpfuse.get_communicator(max_tokens=1024, hidden=4096)
-    group = dist.new_group(list(range(world_size)))
+    # Fresh groups for both: the pool's default-group communicator may have grown in earlier tests.
+    ours_group, group = (dist.new_group(list(range(world_size))) for _ in range(2))
+    ours = tpfuse.get_communicator(ours_group, max_tokens=1024, hidden=4096)
     theirs = tpfuse.get_communicator(group, max_tokens=1024, hidden=4096, backend="flashinfer")
     limits = {
         h: (ours.max_token_num(h, torch.bfloat16), theirs.max_token_num(h, torch.bfloat16))
@@ -36,7 +37,8 @@ def _both_backends(rank, world_size, cases):
         inp = case.inputs(world_size, device)
         args = (inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
         out.append(
-            [tuple(t.cpu() for t in tpfuse.allreduce_add_rmsnorm(*args, group=g)) for g in (None, group)]
+            [tuple(t.cpu() for t in tpfuse.allreduce_add_rmsnorm(*args, group=g))
+             for g in (ours_group, group)]
         )
     stats = tpfuse.stats()
     tpfuse.destroy_all()

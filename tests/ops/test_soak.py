@@ -26,6 +26,7 @@ def _soak(rank, world_size, seconds):
     calls, checked, worst = 0, 0, 0.0
     deadline = time.monotonic() + seconds  # rank 0's clock decides when every rank stops
     stop = torch.zeros(1, device=device)
+    next_report = time.monotonic() + 60
     while True:
         tokens = rng.choice([1, 2, 3, 7, 64, 100, 255, 256, 257, 511, 1000, 2048])
         hidden = rng.choice([2048, 4096, 7168, 8192])
@@ -50,6 +51,9 @@ def _soak(rank, world_size, seconds):
             dist.all_gather(gathered, y)
             assert all(torch.equal(g.view(torch.int16), y.view(torch.int16)) for g in gathered)
             checked += 1
+            if rank == 0 and time.monotonic() > next_report:  # a run cut short still says how far it got
+                print(f"soak progress: {calls} calls, {checked} checked, no error", flush=True)
+                next_report += 60
             stop.fill_(float(time.monotonic() > deadline) if rank == 0 else 0.0)
             dist.broadcast(stop, src=0)
             if stop.item():

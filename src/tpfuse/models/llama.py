@@ -106,24 +106,6 @@ def all_reduce(x: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     return x
 
 
-def grouped_query_attention(q, k, v, mask):
-    """Attention of q [b, H, s, d] over k, v [b, KV, S, d] (H = KV x group) under a bool mask [s, S].
-
-    Each key/value head is read once for its whole group of query heads: the group's queries become
-    the rows of one matmul. SDPA cannot do this here: with a mask its flash kernel is unavailable and
-    its memory-efficient kernel does not take grouped heads, so it falls back to the math path, which
-    copies the whole cache once per query head of the group (4x the cache traffic for Llama 3).
-    """
-    batch, heads, seq, head_dim = q.shape
-    group = heads // k.shape[1]
-    rows = q.reshape(batch, k.shape[1], group * seq, head_dim)  # row r is query position r % seq
-    scores = (rows * head_dim**-0.5) @ k.transpose(-1, -2)
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # softmax in fp32 at least
-    scores = scores.masked_fill(~mask.repeat(group, 1), float("-inf"))
-    y = torch.softmax(scores, dim=-1).to(v.dtype) @ v
-    return y.view(batch, heads, seq, head_dim)
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, world_size: int):
         super().__init__()
@@ -146,10 +128,11 @@ class Attention(nn.Module):
             k_cache.index_copy_(2, input_pos, k)
             v_cache.index_copy_(2, input_pos, v)
             k, v = k_cache, v_cache
-        if mask is None:  # no cache: flash attention shares key/value heads itself
+        # enable_gqa: query heads share key/value heads without copying the cache for each of them
+        if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            y = grouped_query_attention(q, k, v, mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return all_reduce(self.wo(y.transpose(1, 2).reshape(batch * seq, -1)), self.args)
 
 
