@@ -26,7 +26,8 @@ def time_us(fn, args, n=20):
         for _ in range(n): fn(*args)
     ts = []
     for _ in range(7):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True); a.record(); g.replay(); b.record(); b.synchronize()
+        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
+        a.record(); g.replay(); b.record(); b.synchronize()
         ts.append(a.elapsed_time(b) * 1e3 / n)
     return sorted(ts)[3]
 
