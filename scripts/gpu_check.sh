@@ -28,6 +28,15 @@ e2e() {
 }
 if [ "$MODE" = e2e ]; then e2e; exit $status; fi
 
+if [ "$MODE" = variants ]; then
+  # One-shot launch variants (docs/kernel-notes.md) beside the default and FlashInfer, one process.
+  timeout 500 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --tokens 1,4,8,16,32,64,96,128,192,256 \
+    --providers tpfuse:oneshot,tpfuse:warps32,tpfuse:rows1,tpfuse:warps32_rows1,tpfuse:split_push_2k,tpfuse:split_push_1k,flashinfer \
+    --out "$OUT" > "$OUT/variants.log" 2>&1 || status=1
+  grep -A30 "^hidden tokens" "$OUT/variants.log"
+  exit $status
+fi
+
 echo "== GPU tests (NCCL ranks; kernels compiled for the GPU; FlashInfer backend; the compiler pass) =="
 TPFUSE_GRAPH_REPLAYS=${TPFUSE_GRAPH_REPLAYS:-100000} timeout 480 \
   python3 -m pytest tests -q -rfE -k "nccl or fp8 or graph or reduce_overhead or flashinfer or soak or gpu_memory" \
@@ -36,14 +45,6 @@ TPFUSE_GRAPH_REPLAYS=${TPFUSE_GRAPH_REPLAYS:-100000} timeout 480 \
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 if [ "$MODE" = tests ]; then exit $status; fi
 
-if [ "$MODE" = variants ]; then
-  # One-shot launch variants (docs/kernel-notes.md) beside the default and FlashInfer, one process.
-  torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --tokens 1,4,16,64,96,128,192,256,512 \
-    --providers tpfuse,tpfuse:nopdl,tpfuse:clear_last,tpfuse:acq_rel,flashinfer \
-    --out "$OUT" > "$OUT/variants.log" 2>&1 || status=1
-  grep -A30 "^hidden tokens" "$OUT/variants.log"
-  exit $status
-fi
 
 TOKENS=1,2,3,4,8,16,32,64,96,128,256,384,512,1024,1536,2048,3000,4096,8192
 [ "$MODE" = quick ] && TOKENS=1,8,64,512,4096

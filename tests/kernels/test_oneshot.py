@@ -96,3 +96,33 @@ def test_call_over_the_workspace_takes_the_reference_path(rank_pool, backend):
         check_results(case, 2, [res[1][i][1] for res in results])
     assert results[0][3] in ("oneshot", "twoshot"), results[0][3]
     assert all(res[2] == {f"triton.{results[0][3]}": 1, "reference": 1} for res in results)
+
+
+def _variants(rank, world_size, backend, case, names):
+    from tpfuse.bench.providers import ONESHOT_VARIANTS
+    from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
+
+    device = rank_device(backend, rank)
+    comm = tpfuse.get_communicator(max_tokens=case.tokens, hidden=case.hidden)
+    inp = case.inputs(world_size, device)
+    out = []
+    for name in names:
+        y, h = torch.full_like(inp["xs"][rank], float("nan")), torch.full_like(inp["xs"][rank], float("nan"))
+        oneshot_allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps, y, h,
+                                      comm.workspace, rank, world_size, comm.max_programs,
+                                      variant=OneShotVariant(**ONESHOT_VARIANTS[name]))
+        out.append((y.cpu(), h.cpu()))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tokens, hidden", [(70, 8192), (1, 7168), (2, 4096)])
+def test_benchmark_launch_variants_compute_the_same_op(rank_pool, backend, tokens, hidden):
+    # 70 rows of 16 KiB: the two-rows-a-program rule applies, and the variants that drop it differ.
+    # A row or two: programs to spare for the split-push variants (7168 = 3.5 chunks of 2048 words).
+    from tpfuse.bench.providers import ONESHOT_VARIANTS
+
+    case, names = Case(tokens, hidden, seed=11), sorted(ONESHOT_VARIANTS)
+    results = rank_pool(2, backend).run(_variants, backend, case, names)
+    for i in range(len(names)):
+        check_results(case, 2, [res[i] for res in results])

@@ -24,6 +24,15 @@ ONESHOT_VARIANTS = {
     "nopdl": dict(pdl=False),
     "clear_last": dict(clear_first=False),
     "acq_rel": dict(relaxed_arrive=False),
+    # FlashInfer's shape from 128 tokens: a row of 8192 over 1024 threads, one row a program
+    # (docs/kernel-notes.md, "What is left"); each half of it alone.
+    "warps32": dict(max_warps=32),
+    "rows1": dict(pair_large_rows=False),
+    "warps32_rows1": dict(max_warps=32, pair_large_rows=False),
+    # Rows of a few tokens pushed by programs of their own, 2-8 chunks a row (FlashInfer spreads a
+    # row of 1-64 tokens over 2-8 SMs); the reducing programs no longer push.
+    "split_push_2k": dict(split_push_words=2048),
+    "split_push_1k": dict(split_push_words=1024),
 }
 
 

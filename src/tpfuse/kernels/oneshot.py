@@ -34,27 +34,34 @@ from tpfuse.kernels.protocol import (_clear_slot, _finish_call, _peer_base, _sen
 
 
 @triton.jit
-def _push_rows(x_ptr, peer_ptrs_ptr, dst_base, hidden, first_row, n_tokens, step, cols, mask,
-               RANK: tl.constexpr, WORLD: tl.constexpr):
-    """Store rows first_row, first_row + step, ... of x into every peer's buffer (not our own)."""
-    row = first_row
-    while row < n_tokens:
-        offs = row.to(tl.int64) * hidden + cols
+def _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, first, step,
+                 RANK: tl.constexpr, WORLD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Store chunks first, first + step, ... of x into every peer's buffer (not our own).
+
+    A row is CHUNKS chunks of BLOCK_C words, numbered row by row; with CHUNKS = 1 a chunk is a row.
+    """
+    ccols = tl.arange(0, BLOCK_C)
+    chunk = first
+    while chunk < n_tokens * CHUNKS:
+        cols = (chunk % CHUNKS) * BLOCK_C + ccols
+        mask = cols < hidden
+        offs = (chunk // CHUNKS).to(tl.int64) * hidden + cols
         bits = _sendable_bits(x_ptr, offs, mask)
         for r in tl.static_range(WORLD):
             if r != RANK:
                 tl.store(_peer_base(peer_ptrs_ptr, r) + dst_base + offs, bits, mask=mask)
-        row += step
+        chunk += step
 
 
 @triton.jit
 def _oneshot_allreduce_add_rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, scale_ptr,
     peer_ptrs_ptr, state_ptr,
-    n_tokens, hidden, region_elems, eps, wait_limit,
+    n_tokens, hidden, region_elems, eps, wait_limit, pushers,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr, USE_CLOCK: tl.constexpr,
     CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr,
+    SPLIT_PUSH: tl.constexpr, PUSH_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     if USE_PDL:
         # Launched early (programmatic dependent launch): wait until the previous kernel's writes,
@@ -68,18 +75,32 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     mask = cols < hidden
     own = _peer_base(peer_ptrs_ptr, RANK)
 
-    # Rows are dealt to programs round-robin, identically on every rank (same grid everywhere), so
-    # a program only ever waits for rows that the same program of a peer pushes. Push all our rows
-    # first: everything is in flight before the first wait.
-    _push_rows(x_ptr, peer_ptrs_ptr, slot_base + RANK * region_elems, hidden, pid, n_tokens, n_programs,
-               cols, mask, RANK, WORLD)
+    dst_base = slot_base + RANK * region_elems
+    if SPLIT_PUSH:
+        # A launch variant: the first `pushers` programs only push, PUSH_CHUNKS chunks a row, and the
+        # others only reduce. Pushers come first, so the CPU interpreter, which runs programs in order,
+        # has pushed everything before any program waits.
+        first_row = pid - pushers
+        if first_row < 0:
+            _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, pid, pushers, RANK, WORLD,
+                         PUSH_CHUNKS, BLOCK_C)
+            first_row = n_tokens  # nothing to reduce
+        row_step = n_programs - pushers
+    else:
+        # Rows are dealt to programs round-robin, identically on every rank (same grid everywhere), so
+        # a program only ever waits for rows that the same program of a peer pushes. Push all our rows
+        # first: everything is in flight before the first wait.
+        _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, pid, n_programs, RANK, WORLD, 1,
+                     BLOCK_H)
+        first_row = pid
+        row_step = n_programs
     if CLEAR_FIRST:  # the previous slot is ours alone until our next call: clear it while data flies
         _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     failed = 0
     limit = _start_clock(wait_limit, USE_CLOCK)
-    row = pid
+    row = first_row
     while row < n_tokens:
         offs = row.to(tl.int64) * hidden + cols
         # Everything that does not depend on peers is loaded before the wait.
@@ -92,7 +113,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
             h += res
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
         _store_normed(h, w, y_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
-        row += n_programs
+        row += row_step
     if not CLEAR_FIRST:
         _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
     _finish_call(state_ptr, call, slot, n_tokens, hidden, failed, n_programs, RELAXED_ARRIVE)
@@ -106,6 +127,8 @@ class OneShotVariant:
     clear_first: bool = True  # clear the previous slot before waiting instead of after
     relaxed_arrive: bool = True  # relaxed instead of acq_rel atomic for the arrival count
     max_warps: int = 16
+    pair_large_rows: bool = True  # the two-rows-a-program rule of launch_programs
+    split_push_words: int = 0  # > 0: programs of their own push x in chunks of this many words
 
 
 DEFAULT_VARIANT = OneShotVariant()
@@ -127,9 +150,9 @@ MANY_TOKENS = 64
 LARGE_ROW_BYTES = 12 << 10
 
 
-def launch_programs(n_tokens: int, hidden: int, max_programs: int) -> int:
+def launch_programs(n_tokens: int, hidden: int, max_programs: int, pair_large_rows: bool = True) -> int:
     """Programs of a launch: one a row, at most ``max_programs``, two rows a program for many large rows."""
-    if n_tokens > MANY_TOKENS and hidden * 2 >= LARGE_ROW_BYTES:
+    if pair_large_rows and n_tokens > MANY_TOKENS and hidden * 2 >= LARGE_ROW_BYTES:
         return min(max_programs, (n_tokens + 1) // 2)
     return min(n_tokens, max_programs)
 
@@ -157,8 +180,15 @@ def oneshot_allreduce_add_rmsnorm(
     n_tokens, hidden = x.shape
     args, flags = kernel_arguments(x, residual, weight, eps, y, h, workspace, quant_scale, wait_limit)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant)
-    _oneshot_allreduce_add_rmsnorm_kernel[(launch_programs(n_tokens, hidden, max_programs),)](
-        *args, RANK=rank, WORLD=world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
+    programs = launch_programs(n_tokens, hidden, max_programs, variant.pair_large_rows)
+    push_chunks, block_c, pushers = 1, block_h, 0
+    if variant.split_push_words:
+        block_c = min(block_h, variant.split_push_words)
+        push_chunks = triton.cdiv(hidden, block_c)
+        pushers = min(max_programs - programs, n_tokens * push_chunks)  # the grid must stay resident
+    _oneshot_allreduce_add_rmsnorm_kernel[(pushers + programs,)](
+        *args, pushers, RANK=rank, WORLD=world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
         CLEAR_FIRST=variant.clear_first, RELAXED_ARRIVE=variant.relaxed_arrive,
+        SPLIT_PUSH=pushers > 0, PUSH_CHUNKS=push_chunks, BLOCK_C=block_c,
         num_warps=num_warps, launch_pdl=use_pdl,
     )
