@@ -92,3 +92,31 @@ def test_both_kernels_at_four_and_eight_ranks(rank_pool, world_size):
         check_results(case, world_size, [res[0][i] for res in results])
     expected = ["oneshot" if c.tokens <= 4 or c.tokens < world_size else "twoshot" for c in cases]
     assert all(res[1] == expected for res in results)
+
+
+def _grouped(rank, world_size, backend, cases, group_rows):
+    from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+
+    device = rank_device(backend, rank)
+    comm = tpfuse.get_communicator(max_tokens=40, hidden=4096)
+    out = []
+    for case in cases:
+        inp = case.inputs(world_size, device)
+        y, h = (torch.full_like(inp["xs"][rank], float("nan")) for _ in range(2))
+        twoshot_allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps, y, h,
+                                      comm.workspace, rank, world_size, comm.max_programs,
+                                      group_rows=group_rows)
+        out.append((y.cpu(), h.cpu()))
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("group_rows", [1, 3])
+def test_twoshot_in_groups_of_rows(rank_pool, backend, world_size, group_rows):
+    # The benchmark's variants: each program scatters a group of rows ahead of the ones it reduces.
+    # 40 and 17 rows over 4 CPU programs: 10 and 4-5 rows a program, so several groups and a short last one.
+    cases = [Case(t, h, seed=t, residual=t != 17) for t, h in ((40, 4096), (17, 512), (3, 2880))]
+    results = rank_pool(world_size, backend).run(_grouped, backend, cases, group_rows)
+    for i, case in enumerate(cases):
+        check_results(case, world_size, [res[i] for res in results])

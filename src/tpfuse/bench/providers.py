@@ -4,7 +4,8 @@ Every provider computes y = RMSNorm(allreduce(x) + residual) * weight and h from
 
 - ``tpfuse``: the op as users call it (the algorithm the table picks);
 - ``tpfuse:oneshot`` / ``tpfuse:twoshot``: one algorithm, forced;
-- ``tpfuse:<variant>``: a one-shot launch variant (:data:`ONESHOT_VARIANTS`, docs/kernel-notes.md);
+- ``tpfuse:<variant>``: a launch variant of the one-shot (:data:`ONESHOT_VARIANTS`) or of the two-shot
+  (:data:`TWOSHOT_GROUPS`), docs/kernel-notes.md;
 - ``nccl+norm``: the group's all-reduce plus a compiled add + RMSNorm (the unfused model);
 - ``symm_oneshot+norm``: torch symmetric memory's one-shot all-reduce plus the same norm;
 - ``fi_oneshot`` / ``fi_twoshot``: FlashInfer's fused kernel, when importable.
@@ -34,6 +35,8 @@ ONESHOT_VARIANTS = {
     "split_push_2k": dict(split_push_words=2048),
     "split_push_1k": dict(split_push_words=1024),
 }
+# Two-shot variants "tpfuse:<name>": rows a program scatters ahead of the ones it reduces and gathers.
+TWOSHOT_GROUPS = {"twoshot_g2": 2, "twoshot_g4": 4, "twoshot_g8": 8}
 
 
 class Providers:
@@ -121,8 +124,12 @@ class Providers:
             elif name == "tpfuse:twoshot":
                 out[name] = launcher(twoshot_allreduce_add_rmsnorm)
             elif name.startswith("tpfuse:"):
-                variant = OneShotVariant(**ONESHOT_VARIANTS[name.split(":", 1)[1]])
-                out[name] = launcher(oneshot_allreduce_add_rmsnorm, variant=variant)
+                key = name.split(":", 1)[1]
+                if key in TWOSHOT_GROUPS:
+                    out[name] = launcher(twoshot_allreduce_add_rmsnorm, group_rows=TWOSHOT_GROUPS[key])
+                else:
+                    variant = OneShotVariant(**ONESHOT_VARIANTS[key])
+                    out[name] = launcher(oneshot_allreduce_add_rmsnorm, variant=variant)
             elif name == "nccl":
 
                 def nccl():

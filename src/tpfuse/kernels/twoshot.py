@@ -50,6 +50,68 @@ def _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, 
 
 
 @triton.jit
+def _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, n_tokens, pid, n_programs, first, last, cols, mask,
+             RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Send this program's rows first..last-1 (its own numbering) that another rank owns, to that owner."""
+    i = first
+    while i < last:
+        row = pid + i * n_programs
+        owner = _owner(row, n_programs, WORLD)
+        if owner != RANK:
+            offs = row.to(tl.int64) * hidden + cols
+            tl.store(_peer_base(peer_ptrs_ptr, owner) + send_base + offs, _sendable_bits(x_ptr, offs, mask),
+                     mask=mask)
+        i += 1
+
+
+@triton.jit
+def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, own_slot, send_base, w,
+                  hidden, region_elems, eps, n_programs, pid, first, last, cols, mask, limit, failed,
+                  RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                  HAS_QUANT: tl.constexpr, USE_CLOCK: tl.constexpr):
+    """For the rows among first..last-1 we own: wait for the peers' x, reduce, send the rounded h to all."""
+    i = first
+    while i < last:
+        row = pid + i * n_programs
+        if _owner(row, n_programs, WORLD) == RANK:
+            offs = row.to(tl.int64) * hidden + cols
+            if HAS_RESIDUAL:
+                res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            acc, limit, failed = _sum_in_rank_order(
+                x_ptr, _sendable_bits(x_ptr, offs, mask), own_slot, region_elems, offs, mask, limit,
+                failed, RANK, WORLD, BLOCK_H, USE_CLOCK
+            )
+            if HAS_RESIDUAL:
+                acc += res
+            # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
+            h_bits = _sendable(acc.to(h_ptr.dtype.element_ty).to(tl.int16, bitcast=True))
+            for r in tl.static_range(WORLD):
+                if r != RANK:
+                    tl.store(_peer_base(peer_ptrs_ptr, r) + send_base + offs, h_bits, mask=mask)
+            _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
+        i += 1
+    return limit, failed
+
+
+@triton.jit
+def _gather_others(y_ptr, h_ptr, scale_ptr, own_slot, w, hidden, region_elems, eps, n_programs, pid, first,
+                   last, cols, mask, limit, failed, WORLD: tl.constexpr, RANK: tl.constexpr,
+                   HAS_QUANT: tl.constexpr, USE_CLOCK: tl.constexpr):
+    """For the rows among first..last-1 others own: wait for the owner's h, then store h and y."""
+    i = first
+    while i < last:
+        row = pid + i * n_programs
+        owner = _owner(row, n_programs, WORLD)
+        if owner != RANK:
+            offs = row.to(tl.int64) * hidden + cols
+            h_bits, limit, missing = _wait_row(own_slot + owner * region_elems + offs, mask, limit, USE_CLOCK)
+            failed |= missing
+            _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
+        i += 1
+    return limit, failed
+
+
+@triton.jit
 def _twoshot_allreduce_add_rmsnorm_kernel(
     x_ptr,
     residual_ptr,
@@ -64,6 +126,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     region_elems,
     eps,
     wait_limit,
+    group_rows,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -81,58 +144,41 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     own = _peer_base(peer_ptrs_ptr, RANK)
+    own_slot = own + slot_base
     send_base = slot_base + RANK * region_elems  # where our words go in a peer's slot
+    my_rows = (n_tokens - pid + n_programs - 1) // n_programs  # rows pid, pid + programs, ...
 
-    # Scatter: each row we do not own goes to its owner only.
-    row = pid
-    while row < n_tokens:
-        owner = _owner(row, n_programs, WORLD)
-        if owner != RANK:
-            offs = row.to(tl.int64) * hidden + cols
-            tl.store(
-                _peer_base(peer_ptrs_ptr, owner) + send_base + offs,
-                _sendable_bits(x_ptr, offs, mask),
-                mask=mask,
-            )
-        row += n_programs
+    # A program takes its rows in groups of group_rows: it scatters group g + 1 before it reduces and
+    # gathers group g, so its next rows are on the wire while it works on local memory. One group
+    # (group_rows >= its rows) is scatter all, reduce all, gather all. Every wait of group g is for
+    # words the same program of a peer sent before its own waits of group g: no deadlock.
+    first = 0
+    last = tl.minimum(group_rows, my_rows)
+    _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, n_tokens, pid, n_programs, first, last, cols, mask,
+             RANK, WORLD)
     _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     failed = 0
     limit = _start_clock(wait_limit, USE_CLOCK)
-    # Reduce the rows we own and send the rounded h to every peer.
-    row = pid
-    while row < n_tokens:
-        if _owner(row, n_programs, WORLD) == RANK:
-            offs = row.to(tl.int64) * hidden + cols
-            if HAS_RESIDUAL:
-                res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            acc, limit, failed = _sum_in_rank_order(
-                x_ptr, _sendable_bits(x_ptr, offs, mask), own + slot_base, region_elems, offs, mask, limit,
-                failed, RANK, WORLD, BLOCK_H, USE_CLOCK
-            )
-            if HAS_RESIDUAL:
-                acc += res
-            # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
-            h_bits = _sendable(acc.to(h_ptr.dtype.element_ty).to(tl.int16, bitcast=True))
-            for r in tl.static_range(WORLD):
-                if r != RANK:
-                    tl.store(_peer_base(peer_ptrs_ptr, r) + send_base + offs, h_bits, mask=mask)
-            _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
-        row += n_programs
-    # Gather the rows the peers own.
-    row = pid
-    while row < n_tokens:
-        owner = _owner(row, n_programs, WORLD)
-        if owner != RANK:
-            offs = row.to(tl.int64) * hidden + cols
-            h_bits, limit, missing = _wait_row(
-                own + slot_base + owner * region_elems + offs, mask, limit, USE_CLOCK
-            )
-            failed |= missing
-            _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
-        row += n_programs
+    while first < my_rows:
+        after = tl.minimum(last + group_rows, my_rows)
+        _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, n_tokens, pid, n_programs, last, after, cols, mask,
+                 RANK, WORLD)
+        limit, failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, own_slot,
+                                      send_base, w, hidden, region_elems, eps, n_programs, pid, first, last,
+                                      cols, mask, limit, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL,
+                                      HAS_QUANT, USE_CLOCK)
+        limit, failed = _gather_others(y_ptr, h_ptr, scale_ptr, own_slot, w, hidden, region_elems, eps,
+                                       n_programs, pid, first, last, cols, mask, limit, failed, WORLD, RANK,
+                                       HAS_QUANT, USE_CLOCK)
+        first = last
+        last = after
     _finish_call(state_ptr, call, slot, n_tokens, hidden, failed, n_programs, True)
+
+
+#: Rows a program takes at a time by default: all of them (one group), as measured in run 10.
+ALL_ROWS = 1 << 30
 
 
 def twoshot_allreduce_add_rmsnorm(
@@ -148,12 +194,16 @@ def twoshot_allreduce_add_rmsnorm(
     max_programs: int,
     quant_scale: torch.Tensor | None = None,
     wait_limit: int | None = None,
+    group_rows: int = ALL_ROWS,
 ) -> None:
-    """Launch the two-shot kernel: writes ``y`` and ``h``. Same contract as the one-shot launcher."""
+    """Launch the two-shot kernel: writes ``y`` and ``h``. Same contract as the one-shot launcher.
+
+    ``group_rows``: rows a program scatters ahead of the ones it reduces and gathers (a launch variant).
+    """
     n_tokens, hidden = x.shape
     args, flags = kernel_arguments(x, residual, weight, eps, y, h, workspace, quant_scale, wait_limit)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device)
     _twoshot_allreduce_add_rmsnorm_kernel[(min(n_tokens, max_programs),)](
-        *args, RANK=rank, WORLD=world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
+        *args, group_rows, RANK=rank, WORLD=world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
         num_warps=num_warps, launch_pdl=use_pdl,
     )
