@@ -51,7 +51,6 @@ TPFUSE_GRAPH_REPLAYS=${TPFUSE_GRAPH_REPLAYS:-100000} timeout 480 \
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 if [ "$MODE" = tests ]; then exit $status; fi
 
-
 TOKENS=1,2,3,4,8,16,32,64,96,128,256,384,512,1024,1536,2048,3000,4096,8192
 [ "$MODE" = quick ] && TOKENS=1,8,64,512,4096
 echo "== tune: where each algorithm wins here =="

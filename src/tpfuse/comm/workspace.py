@@ -130,6 +130,9 @@ def allocate_shared_files(group: dist.ProcessGroup, region_elems: int) -> Worksp
     inside this function can leave a file; :func:`remove_stale_shm_files` (run here first) removes
     those by their dead pid.
     """
+    from tpfuse.kernels import interpreter
+
+    interpreter.install()  # peers poll words other processes write: each must move whole
     remove_stale_shm_files()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     token = [uuid.uuid4().hex[:12] if rank == 0 else None]

@@ -50,7 +50,7 @@ def _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, 
 
 
 @triton.jit
-def _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, n_tokens, pid, n_programs, first, last, cols, mask,
+def _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, last, cols, mask,
              RANK: tl.constexpr, WORLD: tl.constexpr):
     """Send this program's rows first..last-1 (its own numbering) that another rank owns, to that owner."""
     i = first
@@ -154,8 +154,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     # words the same program of a peer sent before its own waits of group g: no deadlock.
     first = 0
     last = tl.minimum(group_rows, my_rows)
-    _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, n_tokens, pid, n_programs, first, last, cols, mask,
-             RANK, WORLD)
+    _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, last, cols, mask, RANK, WORLD)
     _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -163,7 +162,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     limit = _start_clock(wait_limit, USE_CLOCK)
     while first < my_rows:
         after = tl.minimum(last + group_rows, my_rows)
-        _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, n_tokens, pid, n_programs, last, after, cols, mask,
+        _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, last, after, cols, mask,
                  RANK, WORLD)
         limit, failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, own_slot,
                                       send_base, w, hidden, region_elems, eps, n_programs, pid, first, last,
