@@ -134,6 +134,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     HAS_QUANT: tl.constexpr,
     USE_PDL: tl.constexpr,
     USE_CLOCK: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
     if USE_PDL:  # see the one-shot kernel
         gdc_wait()
@@ -148,12 +149,14 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     send_base = slot_base + RANK * region_elems  # where our words go in a peer's slot
     my_rows = (n_tokens - pid + n_programs - 1) // n_programs  # rows pid, pid + programs, ...
 
-    # A program takes its rows in groups of group_rows: it scatters group g + 1 before it reduces and
-    # gathers group g, so its next rows are on the wire while it works on local memory. One group
-    # (group_rows >= its rows) is scatter all, reduce all, gather all. Every wait of group g is for
-    # words the same program of a peer sent before its own waits of group g: no deadlock.
+    # A program takes its rows in groups of group_rows (a launch variant, GROUPED): it scatters group
+    # g + 1 before it reduces and gathers group g, so its next rows are on the wire while it works on
+    # local memory. Every wait of group g is for words the same program of a peer sent before its own
+    # waits of group g: no deadlock. Not grouped: scatter all, reduce all, gather all.
     first = 0
-    last = tl.minimum(group_rows, my_rows)
+    last = my_rows
+    if GROUPED:
+        last = tl.minimum(group_rows, my_rows)
     _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, last, cols, mask, RANK, WORLD)
     _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
@@ -161,9 +164,11 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     failed = 0
     limit = _start_clock(wait_limit, USE_CLOCK)
     while first < my_rows:
-        after = tl.minimum(last + group_rows, my_rows)
-        _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, last, after, cols, mask,
-                 RANK, WORLD)
+        after = my_rows
+        if GROUPED:
+            after = tl.minimum(last + group_rows, my_rows)
+            _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, last, after, cols, mask,
+                     RANK, WORLD)
         limit, failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, own_slot,
                                       send_base, w, hidden, region_elems, eps, n_programs, pid, first, last,
                                       cols, mask, limit, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL,
@@ -177,7 +182,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
 
 
 #: Rows a program takes at a time by default: all of them (one group), as measured in run 10.
-ALL_ROWS = 1 << 30
+ALL_ROWS = 0
 
 
 def twoshot_allreduce_add_rmsnorm(
@@ -197,12 +202,14 @@ def twoshot_allreduce_add_rmsnorm(
 ) -> None:
     """Launch the two-shot kernel: writes ``y`` and ``h``. Same contract as the one-shot launcher.
 
-    ``group_rows``: rows a program scatters ahead of the ones it reduces and gathers (a launch variant).
+    ``group_rows``: rows a program scatters ahead of the ones it reduces and gathers (a launch variant;
+    :data:`ALL_ROWS`, the default, takes all of a program's rows as one group).
     """
     n_tokens, hidden = x.shape
     args, flags = kernel_arguments(x, residual, weight, eps, y, h, workspace, quant_scale, wait_limit)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device)
     _twoshot_allreduce_add_rmsnorm_kernel[(min(n_tokens, max_programs),)](
         *args, group_rows, RANK=rank, WORLD=world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
+        GROUPED=group_rows != ALL_ROWS,
         num_warps=num_warps, launch_pdl=use_pdl,
     )
