@@ -1,0 +1,68 @@
+"""The kernels compile for a Hopper GPU (sm_90) on any machine.
+
+The interpreter accepts code that the compiler may not, so CI compiles the launch shapes we ship
+(Triton's wheel carries ptxas; no GPU needed). Compiling needs Triton out of interpreter mode, so the
+test runs this file as a script in a process without TRITON_INTERPRET.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+POINTERS = {"x_ptr": "*{dt}", "residual_ptr": "*{dt}", "weight_ptr": "*{dt}", "y_ptr": "*{yt}", "h_ptr": "*{dt}",
+            "scale_ptr": "*fp32", "peer_ptrs_ptr": "*i64", "state_ptr": "*i32"}
+SCALARS = {"n_tokens": "i32", "hidden": "i32", "region_elems": "i32", "eps": "fp32", "wait_limit": "i64",
+           "pushers": "i32", "group_rows": "i32"}
+ONESHOT = dict(CLEAR_FIRST=True, RELAXED_ARRIVE=True, SPLIT_PUSH=False, PUSH_CHUNKS=1)
+# (kernel, world, dtype, fp8 output, constexprs)
+SHAPES = [
+    ("oneshot", 2, "bf16", False, dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192)),
+    ("oneshot", 8, "fp16", True, dict(ONESHOT, BLOCK_H=4096, BLOCK_C=4096)),
+    ("oneshot", 4, "bf16", False, dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, CLEAR_FIRST=False,
+                                       RELAXED_ARRIVE=False)),
+    ("oneshot", 2, "bf16", False, dict(ONESHOT, BLOCK_H=8192, SPLIT_PUSH=True, PUSH_CHUNKS=4, BLOCK_C=2048)),
+    ("twoshot", 2, "bf16", False, dict(BLOCK_H=8192, GROUPED=False)),
+    ("twoshot", 2, "bf16", False, dict(BLOCK_H=8192, GROUPED=True)),
+    ("twoshot", 8, "fp16", True, dict(BLOCK_H=4096, GROUPED=False)),
+]
+
+
+def _compile_all() -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tpfuse.kernels.oneshot import _oneshot_allreduce_add_rmsnorm_kernel
+    from tpfuse.kernels.twoshot import _twoshot_allreduce_add_rmsnorm_kernel
+
+    kernels = {"oneshot": _oneshot_allreduce_add_rmsnorm_kernel, "twoshot": _twoshot_allreduce_add_rmsnorm_kernel}
+    for name, world, dtype, quant, constexprs in SHAPES:
+        kernel = kernels[name]
+        flags = dict(RANK=world - 1, WORLD=world, HAS_RESIDUAL=True, HAS_QUANT=quant, USE_PDL=True,
+                     USE_CLOCK=True, **constexprs)
+        signature = {
+            arg: "constexpr" if arg in flags
+            else POINTERS[arg].format(dt=dtype, yt="u8" if quant else dtype) if arg in POINTERS
+            else SCALARS[arg]
+            for arg in kernel.arg_names
+        }
+        compiled = triton.compile(ASTSource(kernel, signature, flags), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 16})
+        print(f"{name} W={world} {dtype} fp8={quant} {constexprs}: {len(compiled.asm['cubin'])} bytes")
+
+
+def test_kernels_compile_for_sm90():
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this Triton has no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.count("bytes") == len(SHAPES), done.stdout
+
+
+if __name__ == "__main__":
+    _compile_all()
