@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-POINTERS = {"x_ptr": "*{dt}", "residual_ptr": "*{dt}", "weight_ptr": "*{dt}", "y_ptr": "*{yt}", "h_ptr": "*{dt}",
-            "scale_ptr": "*fp32", "peer_ptrs_ptr": "*i64", "state_ptr": "*i32"}
+POINTERS = {"x_ptr": "*{dt}", "residual_ptr": "*{dt}", "weight_ptr": "*{dt}", "y_ptr": "*{yt}",
+            "h_ptr": "*{dt}", "scale_ptr": "*fp32", "peer_ptrs_ptr": "*i64", "state_ptr": "*i32"}
 SCALARS = {"n_tokens": "i32", "hidden": "i32", "region_elems": "i32", "eps": "fp32", "wait_limit": "i64",
            "pushers": "i32", "group_rows": "i32"}
 ONESHOT = dict(CLEAR_FIRST=True, RELAXED_ARRIVE=True, SPLIT_PUSH=False, PUSH_CHUNKS=1)
@@ -37,7 +37,8 @@ def _compile_all() -> None:
     from tpfuse.kernels.oneshot import _oneshot_allreduce_add_rmsnorm_kernel
     from tpfuse.kernels.twoshot import _twoshot_allreduce_add_rmsnorm_kernel
 
-    kernels = {"oneshot": _oneshot_allreduce_add_rmsnorm_kernel, "twoshot": _twoshot_allreduce_add_rmsnorm_kernel}
+    kernels = {"oneshot": _oneshot_allreduce_add_rmsnorm_kernel,
+               "twoshot": _twoshot_allreduce_add_rmsnorm_kernel}
     for name, world, dtype, quant, constexprs in SHAPES:
         kernel = kernels[name]
         flags = dict(RANK=world - 1, WORLD=world, HAS_RESIDUAL=True, HAS_QUANT=quant, USE_PDL=True,
@@ -56,7 +57,8 @@ def _compile_all() -> None:
 def test_kernels_compile_for_sm90():
     import triton
 
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
         pytest.skip("this Triton has no ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
