@@ -192,3 +192,21 @@ def test_each_pattern_fuses_its_own_example(rank_pool, name):
         for e, g in zip(expected, got):
             tol = dict(atol=0.05, rtol=0.13) if e.dtype == torch.float8_e4m3fn else dict(atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(g.float(), e.float(), **tol)
+
+
+def test_compile_modes_are_torch_compile_modes():
+    from torch._inductor import list_mode_options
+
+    from tpfuse.compile import inductor_options_for_mode
+
+    assert inductor_options_for_mode(None) == {}
+    assert inductor_options_for_mode("reduce-overhead") == {"triton.cudagraphs": True}
+    assert inductor_options_for_mode("max-autotune")["max_autotune"] is True
+    for mode, options in list_mode_options().items():
+        if options.get("use_post_grad_passes", True):
+            assert inductor_options_for_mode(mode) == options
+        else:  # e.g. "lite": no graph passes, so nothing could be fused
+            with pytest.raises(ValueError, match="graph passes"):
+                inductor_options_for_mode(mode)
+    with pytest.raises(ValueError, match="unknown mode 'fastest'"):
+        tpfuse.compile(torch.nn.Linear(2, 2), mode="fastest")

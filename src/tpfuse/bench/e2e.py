@@ -1,7 +1,8 @@
 """``python -m tpfuse bench e2e``: decode-step and prefill latency of the tensor-parallel Llama.
 
 Three ways to run the same model (:class:`tpfuse.models.Transformer`, random weights, bf16), each
-compiled with CUDA graphs (``mode="reduce-overhead"``):
+compiled with the same ``torch.compile`` mode (``mode="reduce-overhead"``, CUDA graphs, unless
+``--mode`` says otherwise):
 
 - ``unfused``: ``torch.compile`` as is: NCCL all-reduce, Inductor's add + RMSNorm;
 - ``tpfuse``: :func:`tpfuse.compile` with the Triton backend;
@@ -55,16 +56,16 @@ def _ms_per_call(fn, device: torch.device, iters: int = 20, repeats: int = 5) ->
     return t.item()
 
 
-def _compiled(provider: str, model, prefill: int):
+def _compiled(provider: str, model, prefill: int, mode: str):
     import tpfuse
 
     torch._dynamo.reset()
     tpfuse.destroy_all()
     if provider == "unfused":
-        return torch.compile(model, mode="reduce-overhead", dynamic=True)
+        return torch.compile(model, mode=mode, dynamic=True)
     backend = "triton" if provider == "tpfuse" else "flashinfer"
     tpfuse.get_communicator(max_tokens=prefill, hidden=model.args.dim, backend=backend)
-    return tpfuse.compile(model, mode="reduce-overhead")
+    return tpfuse.compile(model, mode=mode)
 
 
 def _fill_caches(model, device: torch.device) -> None:
@@ -85,6 +86,7 @@ def e2e_rank(
     providers: list[str],
     device: torch.device | None = None,
     iters: int = 20,
+    mode: str = "reduce-overhead",
 ) -> list[dict]:
     """Time every provider on this rank (the process group is set up); the rows, the same on every rank.
 
@@ -120,7 +122,7 @@ def e2e_rank(
     total, done = len(providers) * len(workloads), 0
     for provider in providers:
         try:
-            fn = _compiled(provider, model, prefill)
+            fn = _compiled(provider, model, prefill, mode)
         except (ImportError, ValueError) as exc:  # FlashInfer missing, or no CUDA for it
             if rank == 0:
                 print(f"\n{provider}: {exc}; skipping it")
@@ -200,18 +202,19 @@ def write_outputs(rows: list[dict], title: str, out_dir: str) -> None:
     fig.savefig(os.path.join(out_dir, "e2e.png"), dpi=110)
 
 
-def describe(preset: str, layers: int | None, world_size: int) -> str:
+def describe(preset: str, layers: int | None, world_size: int, mode: str = "reduce-overhead") -> str:
     from tpfuse.models.llama import PRESETS
 
     args = PRESETS[preset]
     return (
         f"{preset} ({layers or args.n_layers} layers, hidden {args.dim}, bf16), {world_size} x "
-        f"{torch.cuda.get_device_name()}, decode steps and prefill, ms per call"
+        f"{torch.cuda.get_device_name()}, torch.compile mode {mode}, decode steps and prefill, ms per call"
     )
 
 
 def run_e2e_bench(
-    preset: str, layers: int | None, batches: list[int], prefill: int, providers: list[str], out_dir: str
+    preset: str, layers: int | None, batches: list[int], prefill: int, providers: list[str], out_dir: str,
+    mode: str = "reduce-overhead",
 ) -> int:
     """Entry point of ``python -m tpfuse bench e2e``; run it under torchrun, one process a GPU."""
     from tpfuse.bench.kernel import finish_torchrun, init_torchrun
@@ -219,9 +222,10 @@ def run_e2e_bench(
     if not init_torchrun():
         return 2
     try:
-        rows = e2e_rank(dist.get_rank(), dist.get_world_size(), preset, layers, batches, prefill, providers)
+        rows = e2e_rank(dist.get_rank(), dist.get_world_size(), preset, layers, batches, prefill, providers,
+                        mode=mode)
         if dist.get_rank() == 0:
-            write_outputs(rows, describe(preset, layers, dist.get_world_size()), out_dir)
+            write_outputs(rows, describe(preset, layers, dist.get_world_size(), mode), out_dir)
     finally:
         finish_torchrun()
     return 0

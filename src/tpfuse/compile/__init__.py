@@ -31,7 +31,8 @@ _reasons_logged: set[str] = set()
 _pass_counts: collections.defaultdict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
 _DYNAMO_ALL_REDUCE = (torch.ops._c10d_functional.all_reduce, ALL_REDUCE)
 
-__all__ = ["CompiledModel", "FusionPass", "FusionPattern", "Match", "PATTERNS", "TpfuseBackend", "compile"]
+__all__ = ["CompiledModel", "FusionPass", "FusionPattern", "Match", "PATTERNS", "TpfuseBackend", "compile",
+           "inductor_options_for_mode"]
 
 
 def _log_once(reason: str) -> None:
@@ -158,8 +159,9 @@ class TpfuseBackend:
 
     Parameters
     ----------
-    cudagraphs : bool
-        Capture CUDA graphs as ``mode="reduce-overhead"`` does.
+    inductor_options : dict, optional
+        Inductor settings for every graph, as a ``torch.compile`` mode sets them
+        (:func:`inductor_options_for_mode`); ``{"triton.cudagraphs": True}`` captures CUDA graphs.
 
     Attributes
     ----------
@@ -167,15 +169,15 @@ class TpfuseBackend:
         Inductor compilations made, by range: ``"fused"`` and ``"plain"``.
     """
 
-    def __init__(self, cudagraphs: bool = False):
-        self.cudagraphs = cudagraphs
+    def __init__(self, inductor_options: dict | None = None):
+        self.inductor_options = dict(inductor_options or {})
         self.compiles: collections.Counter[str] = collections.Counter()
         self.passes: list[FusionPass] = []
 
     def _compile(self, gm, example_inputs, fusion_pass: FusionPass | None):
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {"triton.cudagraphs": True} if self.cudagraphs else {}
+        patches = dict(self.inductor_options)
         if fusion_pass is not None:
             patches["post_grad_custom_post_pass"] = fusion_pass
             self.passes.append(fusion_pass)
@@ -216,14 +218,31 @@ class CompiledModel(torch.nn.Module):
             return self.compiled(*args, **kwargs)
 
 
+def inductor_options_for_mode(mode: str | None) -> dict:
+    """The Inductor settings a ``torch.compile`` mode stands for; ValueError for one the fusion cannot use."""
+    from torch._inductor import list_mode_options
+
+    modes = list_mode_options()
+    if mode is None:
+        return {}
+    if mode not in modes:
+        raise ValueError(f"tpfuse.compile: unknown mode {mode!r}; torch.compile's modes are "
+                         f"{', '.join(modes)}")
+    if not modes[mode].get("use_post_grad_passes", True):
+        raise ValueError(f"tpfuse.compile: mode {mode!r} turns off the graph passes the fusion runs in")
+    return dict(modes[mode])
+
+
 def compile(model: torch.nn.Module, *, mode: str | None = None, dynamic: bool = True, **torch_compile_kwargs):
     """``torch.compile`` with tpfuse's fusion: one compiled graph per token range.
 
     Parameters
     ----------
     model : nn.Module
-    mode : None, "default" or "reduce-overhead"
-        "reduce-overhead" captures CUDA graphs, as with ``torch.compile``.
+    mode : str, optional
+        A ``torch.compile`` mode with the same meaning: "reduce-overhead" captures CUDA graphs,
+        "max-autotune" also tunes the model's own kernels. Modes that turn off Inductor's graph
+        passes (where the fusion runs) are refused.
     dynamic : bool
         Token counts are dynamic by default so each range compiles once (dynamo still specialises a
         token count of 1 into a graph of its own).
@@ -236,10 +255,9 @@ def compile(model: torch.nn.Module, *, mode: str | None = None, dynamic: bool = 
         Call it like the model; ``.tpfuse_backend`` holds the :class:`TpfuseBackend` (its
         ``compiles`` and ``passes`` show what was compiled and fused).
     """
-    if mode not in (None, "default", "reduce-overhead"):
-        raise ValueError(f"tpfuse.compile supports mode None, 'default' or 'reduce-overhead', not {mode!r}")
-    backend = TpfuseBackend(cudagraphs=mode == "reduce-overhead")
-    return CompiledModel(torch.compile(model, backend=backend, dynamic=dynamic, **torch_compile_kwargs), backend)
+    backend = TpfuseBackend(inductor_options_for_mode(mode))
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic, **torch_compile_kwargs)
+    return CompiledModel(compiled, backend)
 
 
 class _CallableModule(types.ModuleType):
