@@ -2,7 +2,8 @@
 # Everything the GPU machine should run: GPU tests, graph-replay soak, tune, kernel benchmark, end to
 # end; a short table last. On 2 x H200 the tests took 7.6 min (2026-11-29, 100,000 replays a phase,
 # beside an eager soak) and the end-to-end benchmark 4-5 min: a 10-minute device call holds one part.
-# Usage (device tool, carry [".anchors"] for FlashInfer): bash scripts/gpu_check.sh [quick|tests|variants|e2e]
+# Usage (device tool, carry [".anchors"] for FlashInfer):
+#   bash scripts/gpu_check.sh [quick|tests|variants|e2e|soak-start|soak-wait]
 # Needs: 2+ GPUs, python3 with torch (>= 2.11) and triton; nothing is installed from a registry.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,24 @@ e2e() {
   grep -v -i warn "$OUT/e2e.log" | tail -9
 }
 if [ "$MODE" = e2e ]; then e2e; exit $status; fi
+
+# A soak longer than one device call: `soak-start` leaves it running in a process of its own (it
+# prints a progress line a minute into $SOAK_LOG) and returns; `soak-wait`, in a later call, waits for
+# it and prints the result. If the soak did not outlive the first call, the log's last line says how
+# far it got.
+SOAK_LOG=${SOAK_LOG:-/tmp/tpfuse-soak.log}
+if [ "$MODE" = soak-start ]; then
+  TPFUSE_SOAK_SECONDS=${TPFUSE_SOAK_SECONDS:-600} setsid nohup python3 -m pytest tests/ops/test_soak.py -q -s \
+    -p no:cacheprovider > "$SOAK_LOG" 2>&1 < /dev/null &
+  echo "soak started (pid $!), log $SOAK_LOG"
+  exit 0
+fi
+if [ "$MODE" = soak-wait ]; then
+  while pgrep -f "pytest tests/ops/test_soak.py" > /dev/null; do sleep 15; done
+  grep -E "soak|passed|failed|skipped|Error" "$SOAK_LOG" | tail -6
+  grep -q " passed" "$SOAK_LOG"
+  exit $?
+fi
 
 if [ "$MODE" = variants ]; then
   # One-shot launch variants (docs/kernel-notes.md) beside the default and FlashInfer, one process.
