@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tpfuse.comm.workspace import Workspace
 from tpfuse.kernels.protocol import (_clear_slot, _finish_call, _peer_base, _sendable_bits, _slots,
@@ -63,14 +62,9 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr,
     SPLIT_PUSH: tl.constexpr, PUSH_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    if USE_PDL:
-        # Launched early (programmatic dependent launch): wait until the previous kernel's writes,
-        # our state vector and x included, are visible; then let the next kernel launch early too.
-        gdc_wait()
-        gdc_launch_dependents()
+    call, slot, slot_base, prev_base, prev_extent = _slots(state_ptr, region_elems, WORLD, USE_PDL)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    call, slot, slot_base, prev_base, prev_extent = _slots(state_ptr, region_elems, WORLD)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     own = _peer_base(peer_ptrs_ptr, RANK)

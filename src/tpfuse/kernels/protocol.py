@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import globaltimer
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer
 
 from tpfuse.comm.workspace import (SENTINEL, STATE_ERROR, STATE_ERROR_HIDDEN, STATE_ERROR_TOKENS, STATE_LEN,
                                    Workspace)
@@ -83,9 +83,17 @@ def _peer_base(peer_ptrs_ptr, r):
 
 
 @triton.jit
-def _slots(state_ptr, region_elems, WORLD: tl.constexpr):
+def _slots(state_ptr, region_elems, WORLD: tl.constexpr, USE_PDL: tl.constexpr):
     """(call, slot, slot_base, prev_base, prev_extent): this call's number and slot, where the slot
-    and the previous call's slot start, and how many words a rank wrote into the previous one."""
+    and the previous call's slot start, and how many words a rank wrote into the previous one.
+
+    Every kernel starts here. With programmatic dependent launch (USE_PDL) it was launched early, so
+    it first waits until the previous kernel's writes, the state vector and x included, are visible,
+    and then lets the next kernel launch early too.
+    """
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     call = tl.load(state_ptr + 0)
     slot = call % 3
     prev_slot = (call + 2) % 3

@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tpfuse.comm.workspace import Workspace
 from tpfuse.kernels.oneshot import launch_config
@@ -136,12 +135,9 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     USE_CLOCK: tl.constexpr,
     GROUPED: tl.constexpr,
 ):
-    if USE_PDL:  # see the one-shot kernel
-        gdc_wait()
-        gdc_launch_dependents()
+    call, slot, slot_base, prev_base, prev_extent = _slots(state_ptr, region_elems, WORLD, USE_PDL)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    call, slot, slot_base, prev_base, prev_extent = _slots(state_ptr, region_elems, WORLD)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     own = _peer_base(peer_ptrs_ptr, RANK)
