@@ -49,14 +49,14 @@ fi
 
 if [ "$MODE" = variants ]; then
   # One-shot launch variants (docs/kernel-notes.md) beside the default and FlashInfer, one process.
-  timeout 500 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --tokens 1,4,8,16,32,64,96,128,192,256 \
-    --providers tpfuse:oneshot,tpfuse:warps32,tpfuse:rows1,tpfuse:warps32_rows1,tpfuse:split_push_2k,tpfuse:split_push_1k,flashinfer \
+  timeout 300 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --tokens 1,4,8,16,32,64,96,128,256 \
+    --providers tpfuse:oneshot,tpfuse:no_split_push,tpfuse:split_push_4k,flashinfer \
     --out "$OUT" > "$OUT/variants.log" 2>&1 || status=1
   grep -A30 "^hidden tokens" "$OUT/variants.log"
   # Two-shot: rows scattered a group ahead (docs/kernel-notes.md, "Two-shot").
-  timeout 300 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --hidden 4096,8192 \
+  timeout 200 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --hidden 4096,8192 \
     --tokens 512,1024,2048,4096,8192 --out "$OUT/twoshot" \
-    --providers tpfuse:twoshot,tpfuse:twoshot_g2,tpfuse:twoshot_g4,tpfuse:twoshot_g8,flashinfer \
+    --providers tpfuse:twoshot,tpfuse:twoshot_all_rows,tpfuse:twoshot_g2,tpfuse:twoshot_g8,flashinfer \
     > "$OUT/variants-twoshot.log" 2>&1 || status=1
   grep -A12 "^hidden tokens" "$OUT/variants-twoshot.log"
   exit $status

@@ -98,6 +98,11 @@ def test_call_over_the_workspace_takes_the_reference_path(rank_pool, backend):
     assert all(res[2] == {f"triton.{results[0][3]}": 1, "reference": 1} for res in results)
 
 
+# Programs enough for every chunk of a few rows to get a pusher, as on a GPU (the interpreter runs
+# programs one after another, so any grid runs).
+SPARE_PROGRAMS = 16
+
+
 def _variants(rank, world_size, backend, case, names):
     from tpfuse.bench.providers import ONESHOT_VARIANTS
     from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
@@ -109,7 +114,7 @@ def _variants(rank, world_size, backend, case, names):
     for name in names:
         y, h = torch.full_like(inp["xs"][rank], float("nan")), torch.full_like(inp["xs"][rank], float("nan"))
         oneshot_allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps, y, h,
-                                      comm.workspace, rank, world_size, comm.max_programs,
+                                      comm.workspace, rank, world_size, SPARE_PROGRAMS,
                                       variant=OneShotVariant(**ONESHOT_VARIANTS[name]))
         out.append((y.cpu(), h.cpu()))
     return out
@@ -118,11 +123,26 @@ def _variants(rank, world_size, backend, case, names):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tokens, hidden", [(70, 8192), (1, 7168), (2, 4096)])
 def test_benchmark_launch_variants_compute_the_same_op(rank_pool, backend, tokens, hidden):
-    # 70 rows of 16 KiB: the two-rows-a-program rule applies, and the variants that drop it differ.
-    # A row or two: programs to spare for the split-push variants (7168 = 3.5 chunks of 2048 words).
+    # 70 rows of 16 KiB: two rows a program, no split push. A row or two: the default splits the push
+    # (7168 = 3.5 chunks of 2048 words) and the no_split_push variant does not.
     from tpfuse.bench.providers import ONESHOT_VARIANTS
 
     case, names = Case(tokens, hidden, seed=11), sorted(ONESHOT_VARIANTS)
     results = rank_pool(2, backend).run(_variants, backend, case, names)
     for i in range(len(names)):
         check_results(case, 2, [res[i] for res in results])
+
+
+def test_split_push_only_where_every_chunk_has_a_resident_program():
+    from tpfuse.kernels.oneshot import launch_programs, split_push_programs
+
+    def pushers(tokens, hidden, sms=132, words=2048):
+        return split_push_programs(tokens, hidden, launch_programs(tokens, hidden, sms), sms, words)
+
+    # The sizes measured on 2 x H200 (docs/kernel-notes.md, run 12): split where it won, not elsewhere.
+    assert [pushers(t, 8192) for t in (1, 8, 16, 32, 64)] == [4, 32, 64, 0, 0]
+    assert [pushers(t, 7168) for t in (1, 16, 32)] == [4, 64, 0]
+    assert [pushers(t, 4096) for t in (1, 32, 64)] == [2, 64, 0]
+    assert pushers(1, 2048) == 0  # a row of one chunk keeps its push
+    assert pushers(8, 8192, sms=32) == 0  # a smaller GPU: the grid would not be resident
+    assert pushers(8, 8192, words=0) == 0  # the no_split_push variant

@@ -25,18 +25,14 @@ ONESHOT_VARIANTS = {
     "nopdl": dict(pdl=False),
     "clear_last": dict(clear_first=False),
     "acq_rel": dict(relaxed_arrive=False),
-    # FlashInfer's shape from 128 tokens: a row of 8192 over 1024 threads, one row a program
-    # (docs/kernel-notes.md, "What is left"); each half of it alone.
-    "warps32": dict(max_warps=32),
-    "rows1": dict(pair_large_rows=False),
-    "warps32_rows1": dict(max_warps=32, pair_large_rows=False),
-    # Rows of a few tokens pushed by programs of their own, 2-8 chunks a row (FlashInfer spreads a
-    # row of 1-64 tokens over 2-8 SMs); the reducing programs no longer push.
-    "split_push_2k": dict(split_push_words=2048),
-    "split_push_1k": dict(split_push_words=1024),
+    # Every row pushed by the program that reduces it, also where split_push_programs would split.
+    "no_split_push": dict(split_push_words=0),
+    # Chunks of 4096 words: two a row of 7168 or 8192, so 32 such rows fit the grid of an H200.
+    "split_push_4k": dict(split_push_words=4096),
 }
-# Two-shot variants "tpfuse:<name>": rows a program scatters ahead of the ones it reduces and gathers.
-TWOSHOT_GROUPS = {"twoshot_g2": 2, "twoshot_g4": 4, "twoshot_g8": 8}
+# Two-shot variants "tpfuse:<name>": rows a program scatters ahead of the ones it reduces and gathers
+# (the default is twoshot.GROUP_ROWS; 0 is twoshot.ALL_ROWS, one group of all of a program's rows).
+TWOSHOT_GROUPS = {"twoshot_all_rows": 0, "twoshot_g2": 2, "twoshot_g8": 8}
 
 
 class Providers:

@@ -5,7 +5,8 @@ Protocol (no barrier round trip, graph-safe; see docs/kernel-notes.md):
     call c uses slot s = c % 3 of every rank's buffer; rank r's rows go to region r of that slot
     rows:   dealt round-robin to min(T, max_programs) programs, the same on every rank
     push:   every program stores its rows of x (with -0.0 made +0.0) into region RANK of slot s of
-            every peer
+            every peer; a few large rows are pushed instead by programs of their own, one chunk each,
+            with lower program ids than the rows' (split_push_programs)
     clear:  the programs together reset slot (c - 1) % 3 to the sentinel, over the extent the
             previous call wrote (kept on the device, never recomputed from this call's shape),
             while the pushed data is in flight
@@ -71,8 +72,8 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
 
     dst_base = slot_base + RANK * region_elems
     if SPLIT_PUSH:
-        # A launch variant: the first `pushers` programs only push, PUSH_CHUNKS chunks a row, and the
-        # others only reduce. Pushers come first, so the CPU interpreter, which runs programs in order,
+        # A few large rows (split_push_programs): the first `pushers` programs only push, one chunk
+        # each, and the others only reduce. Pushers come first, so the CPU interpreter, which runs programs in order,
         # has pushed everything before any program waits.
         first_row = pid - pushers
         if first_row < 0:
@@ -120,19 +121,20 @@ class OneShotVariant:
     pdl: bool = True  # programmatic dependent launch (Hopper and newer)
     clear_first: bool = True  # clear the previous slot before waiting instead of after
     relaxed_arrive: bool = True  # relaxed instead of acq_rel atomic for the arrival count
-    max_warps: int = 16
-    pair_large_rows: bool = True  # the two-rows-a-program rule of launch_programs
-    split_push_words: int = 0  # > 0: programs of their own push x in chunks of this many words
+    split_push_words: int = 2048  # > 0: where split_push_programs allows, chunks of this many words
 
 
 DEFAULT_VARIANT = OneShotVariant()
+# 16 warps of 32 threads, 8 elements a thread: a row of 4096 a pass. 32 warps (a row of 8192 over
+# 1024 threads, FlashInfer's shape) measured the same on 2 x H200 (docs/kernel-notes.md, run 12).
+MAX_WARPS = 16
 
 
 def launch_config(hidden: int, device: torch.device, variant: OneShotVariant = DEFAULT_VARIANT
                   ) -> tuple[int, int, bool]:
     """(BLOCK_H, num_warps, use_pdl) for rows of ``hidden`` on ``device``: 8 elements a thread."""
     block_h = triton.next_power_of_2(hidden)
-    num_warps = max(1, min(variant.max_warps, block_h // 256))
+    num_warps = max(1, min(MAX_WARPS, block_h // 256))
     use_pdl = variant.pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     return block_h, num_warps, use_pdl
 
@@ -144,11 +146,26 @@ MANY_TOKENS = 64
 LARGE_ROW_BYTES = 12 << 10
 
 
-def launch_programs(n_tokens: int, hidden: int, max_programs: int, pair_large_rows: bool = True) -> int:
-    """Programs of a launch: one a row, at most ``max_programs``, two rows a program for many large rows."""
-    if pair_large_rows and n_tokens > MANY_TOKENS and hidden * 2 >= LARGE_ROW_BYTES:
+def launch_programs(n_tokens: int, hidden: int, max_programs: int) -> int:
+    """Programs that reduce rows: one a row, at most ``max_programs``, two rows a program for many large rows."""
+    if n_tokens > MANY_TOKENS and hidden * 2 >= LARGE_ROW_BYTES:
         return min(max_programs, (n_tokens + 1) // 2)
     return min(n_tokens, max_programs)
+
+
+def split_push_programs(n_tokens: int, hidden: int, programs: int, max_programs: int, words: int) -> int:
+    """Programs that only push x, one a chunk of ``words``, or 0 when the push stays with the row programs.
+
+    A few large rows are pushed faster by several SMs than by the one that reduces each row (2 x H200:
+    8192 x 8 tokens 5.6 instead of 6.4 us). Only when every chunk has a program of its own and the
+    whole grid is resident: pushers that loop over chunks while row programs spin were slower from 32
+    tokens on, up to 14x at 128-256 tokens (docs/kernel-notes.md, run 12). A row of one chunk keeps
+    its push (splitting it was not measured).
+    """
+    chunks = triton.cdiv(hidden, words) if words else 1
+    if chunks < 2 or n_tokens * chunks + programs > max_programs:
+        return 0
+    return n_tokens * chunks
 
 
 def oneshot_allreduce_add_rmsnorm(
@@ -174,12 +191,10 @@ def oneshot_allreduce_add_rmsnorm(
     n_tokens, hidden = x.shape
     args, flags = kernel_arguments(x, residual, weight, eps, y, h, workspace, quant_scale, wait_limit)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant)
-    programs = launch_programs(n_tokens, hidden, max_programs, variant.pair_large_rows)
-    push_chunks, block_c, pushers = 1, block_h, 0
-    if variant.split_push_words:
-        block_c = min(block_h, variant.split_push_words)
-        push_chunks = triton.cdiv(hidden, block_c)
-        pushers = min(max_programs - programs, n_tokens * push_chunks)  # the grid must stay resident
+    programs = launch_programs(n_tokens, hidden, max_programs)
+    pushers = split_push_programs(n_tokens, hidden, programs, max_programs, variant.split_push_words)
+    block_c = min(block_h, variant.split_push_words) if pushers else block_h
+    push_chunks = triton.cdiv(hidden, block_c)
     _oneshot_allreduce_add_rmsnorm_kernel[(pushers + programs,)](
         *args, pushers, RANK=rank, WORLD=world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
         CLEAR_FIRST=variant.clear_first, RELAXED_ARRIVE=variant.relaxed_arrive,

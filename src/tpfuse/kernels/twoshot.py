@@ -145,7 +145,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     send_base = slot_base + RANK * region_elems  # where our words go in a peer's slot
     my_rows = (n_tokens - pid + n_programs - 1) // n_programs  # rows pid, pid + programs, ...
 
-    # A program takes its rows in groups of group_rows (a launch variant, GROUPED): it scatters group
+    # A program takes its rows in groups of group_rows (GROUPED): it scatters group
     # g + 1 before it reduces and gathers group g, so its next rows are on the wire while it works on
     # local memory. Every wait of group g is for words the same program of a peer sent before its own
     # waits of group g: no deadlock. Not grouped: scatter all, reduce all, gather all.
@@ -177,8 +177,12 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     _finish_call(state_ptr, call, slot, n_tokens, hidden, failed, n_programs, True)
 
 
-#: Rows a program takes at a time by default: all of them (one group), as measured in run 10.
+#: ``group_rows`` that takes all of a program's rows as one group: scatter all, reduce all, gather all.
 ALL_ROWS = 0
+#: Rows a program scatters ahead by default. On 2 x H200 groups of 4 rows beat one group by 4-18% from
+#: 1024 tokens (8192 x 4096: 228.9 instead of 257.5 us), groups of 2 and 8 by less
+#: (docs/kernel-notes.md, run 12).
+GROUP_ROWS = 4
 
 
 def twoshot_allreduce_add_rmsnorm(
@@ -194,18 +198,19 @@ def twoshot_allreduce_add_rmsnorm(
     max_programs: int,
     quant_scale: torch.Tensor | None = None,
     wait_limit: int | None = None,
-    group_rows: int = ALL_ROWS,
+    group_rows: int = GROUP_ROWS,
 ) -> None:
     """Launch the two-shot kernel: writes ``y`` and ``h``. Same contract as the one-shot launcher.
 
-    ``group_rows``: rows a program scatters ahead of the ones it reduces and gathers (a launch variant;
-    :data:`ALL_ROWS`, the default, takes all of a program's rows as one group).
+    ``group_rows``: rows a program scatters ahead of the ones it reduces and gathers; programs with
+    no more rows than that, and :data:`ALL_ROWS`, take all of their rows as one group.
     """
     n_tokens, hidden = x.shape
     args, flags = kernel_arguments(x, residual, weight, eps, y, h, workspace, quant_scale, wait_limit)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device)
-    _twoshot_allreduce_add_rmsnorm_kernel[(min(n_tokens, max_programs),)](
+    programs = min(n_tokens, max_programs)
+    _twoshot_allreduce_add_rmsnorm_kernel[(programs,)](
         *args, group_rows, RANK=rank, WORLD=world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
-        GROUPED=group_rows != ALL_ROWS,
+        GROUPED=group_rows != ALL_ROWS and n_tokens > group_rows * programs,
         num_warps=num_warps, launch_pdl=use_pdl,
     )
