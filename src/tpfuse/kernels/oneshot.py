@@ -73,8 +73,8 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     dst_base = slot_base + RANK * region_elems
     if SPLIT_PUSH:
         # A few large rows (split_push_programs): the first `pushers` programs only push, one chunk
-        # each, and the others only reduce. Pushers come first, so the CPU interpreter, which runs programs in order,
-        # has pushed everything before any program waits.
+        # each, and the others only reduce. Pushers come first, so the CPU interpreter, which runs
+        # programs in order, has pushed everything before any program waits.
         first_row = pid - pushers
         if first_row < 0:
             _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, pid, pushers, RANK, WORLD,
@@ -147,7 +147,8 @@ LARGE_ROW_BYTES = 12 << 10
 
 
 def launch_programs(n_tokens: int, hidden: int, max_programs: int) -> int:
-    """Programs that reduce rows: one a row, at most ``max_programs``, two rows a program for many large rows."""
+    """Programs that reduce rows: one a row, at most ``max_programs``; two rows a program for many large
+    rows."""
     if n_tokens > MANY_TOKENS and hidden * 2 >= LARGE_ROW_BYTES:
         return min(max_programs, (n_tokens + 1) // 2)
     return min(n_tokens, max_programs)

@@ -124,10 +124,15 @@ class Attention(nn.Module):
         q, k, v = self.wqkv(x).view(batch, seq, -1).split([self.n_local_heads * head_dim, kv, kv], -1)
         q, k, v = (t.reshape(batch, seq, -1, head_dim).transpose(1, 2) for t in (q, k, v))
         if input_pos is not None:  # decode or prefill into the static cache, attend over all of it
-            k_cache, v_cache = self.k_cache[:batch], self.v_cache[:batch]
-            k_cache.index_copy_(2, input_pos, k)
-            v_cache.index_copy_(2, input_pos, v)
-            k, v = k_cache, v_cache
+            # One index_put_ on each whole cache buffer: Inductor updates a buffer in place when the
+            # buffer itself is written. Writing a slice of it (cache[:batch]) copied the batch's
+            # whole cache twice a step: 2.0 of 3.9 ms a decode step at batch 64 on 2 x H200.
+            rows = torch.arange(batch, device=x.device).view(batch, 1, 1)
+            heads = torch.arange(self.n_local_kv_heads, device=x.device).view(1, -1, 1)
+            where = (rows, heads, input_pos.view(1, 1, -1))
+            self.k_cache.index_put_(where, k)
+            self.v_cache.index_put_(where, v)
+            k, v = self.k_cache[:batch], self.v_cache[:batch]
         # enable_gqa: query heads share key/value heads without copying the cache for each of them
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
