@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run: GPU tests, graph-replay soak, tune, kernel benchmark, end to
-# end; a short table last. On 2 x H200 the tests took 7.6 min (2026-11-29, 100,000 replays a phase,
-# beside an eager soak) and the end-to-end benchmark 4-5 min: a 10-minute device call holds one part.
+# end; a short table last. On 2 x H200 the tests took 6.1 min (2026-11-30, 100,000 replays a phase,
+# beside an eager soak) and the end-to-end benchmark 3-5 min: a 10-minute device call holds one part.
 # Usage (device tool, carry [".anchors"] for FlashInfer):
 #   bash scripts/gpu_check.sh [quick|tests|variants|e2e|soak-start|soak-wait]
 # Needs: 2+ GPUs, python3 with torch (>= 2.11) and triton; nothing is installed from a registry.

@@ -179,9 +179,9 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
 
 #: ``group_rows`` that takes all of a program's rows as one group: scatter all, reduce all, gather all.
 ALL_ROWS = 0
-#: Rows a program scatters ahead by default. On 2 x H200 groups of 4 rows beat one group by 4-18% from
-#: 1024 tokens (8192 x 4096: 228.9 instead of 257.5 us), groups of 2 and 8 by less
-#: (docs/kernel-notes.md, run 12).
+#: Rows a program scatters ahead by default. On 2 x H200 groups of 4 rows made 2048-8192 tokens
+#: 6-18% shorter than one group (8192 x 4096: 257.5 -> 228.9 us), groups of 2 and 8 no better; at 1024
+#: tokens the difference is within 4% either way (docs/kernel-notes.md, runs 12 and 13).
 GROUP_ROWS = 4
 
 
