@@ -114,7 +114,7 @@ def _grouped(rank, world_size, backend, cases, group_rows):
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("group_rows", [1, 3])
 def test_twoshot_in_groups_of_rows(rank_pool, backend, world_size, group_rows):
-    # The benchmark's variants: each program scatters a group of rows ahead of the ones it reduces.
+    # Group sizes other than the default (GROUP_ROWS): a program scatters a group ahead of those it reduces.
     # 40 and 17 rows over 4 CPU programs: 10 and 4-5 rows a program, so several groups and a short last one.
     cases = [Case(t, h, seed=t, residual=t != 17) for t, h in ((40, 4096), (17, 512), (3, 2880))]
     results = rank_pool(world_size, backend).run(_grouped, backend, cases, group_rows)
