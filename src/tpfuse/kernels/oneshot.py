@@ -147,8 +147,7 @@ LARGE_ROW_BYTES = 12 << 10
 
 
 def launch_programs(n_tokens: int, hidden: int, max_programs: int) -> int:
-    """Programs that reduce rows: one a row, at most ``max_programs``; two rows a program for many large
-    rows."""
+    """Programs that reduce rows: one a row (two for many large rows), at most ``max_programs``."""
     if n_tokens > MANY_TOKENS and hidden * 2 >= LARGE_ROW_BYTES:
         return min(max_programs, (n_tokens + 1) // 2)
     return min(n_tokens, max_programs)

@@ -145,10 +145,10 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     send_base = slot_base + RANK * region_elems  # where our words go in a peer's slot
     my_rows = (n_tokens - pid + n_programs - 1) // n_programs  # rows pid, pid + programs, ...
 
-    # A program takes its rows in groups of group_rows (GROUPED): it scatters group
-    # g + 1 before it reduces and gathers group g, so its next rows are on the wire while it works on
-    # local memory. Every wait of group g is for words the same program of a peer sent before its own
-    # waits of group g: no deadlock. Not grouped: scatter all, reduce all, gather all.
+    # A program takes its rows in groups of group_rows (GROUPED): it scatters group g + 1 before it
+    # reduces and gathers group g, so its next rows are on the wire while it works on local memory.
+    # Every wait of group g is for words the same program of a peer sent before its own waits of
+    # group g: no deadlock. Not grouped: scatter all, reduce all, gather all.
     first = 0
     last = my_rows
     if GROUPED:
