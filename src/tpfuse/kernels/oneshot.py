@@ -62,6 +62,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr, USE_CLOCK: tl.constexpr,
     CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr,
     SPLIT_PUSH: tl.constexpr, PUSH_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
+    CLEARS: tl.constexpr = 1, REDUCES: tl.constexpr = 1,
 ):
     call, slot, slot_base, prev_base, prev_extent = _slots(state_ptr, region_elems, WORLD, USE_PDL)
     pid = tl.program_id(0)
@@ -90,7 +91,9 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         first_row = pid
         row_step = n_programs
     if CLEAR_FIRST:  # the previous slot is ours alone until our next call: clear it while data flies
-        _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
+        for _ in tl.static_range(CLEARS):
+            _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD,
+                        BLOCK_H)
 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     failed = 0
@@ -102,15 +105,18 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         if HAS_RESIDUAL:
             res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x_bits = _sendable_bits(x_ptr, offs, mask)
-        h, limit, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask, limit,
-                                              failed, RANK, WORLD, BLOCK_H, USE_CLOCK)
-        if HAS_RESIDUAL:
-            h += res
-        tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
-        _store_normed(h, w, y_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
+        for _ in tl.static_range(REDUCES):  # a second pass finds the rows arrived: its cost is the reduce's
+            h, limit, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask,
+                                                  limit, failed, RANK, WORLD, BLOCK_H, USE_CLOCK)
+            if HAS_RESIDUAL:
+                h += res
+            tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+            _store_normed(h, w, y_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
         row += row_step
     if not CLEAR_FIRST:
-        _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
+        for _ in tl.static_range(CLEARS):
+            _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD,
+                        BLOCK_H)
     _finish_call(state_ptr, call, slot, n_tokens, hidden, failed, n_programs, RELAXED_ARRIVE)
 
 
@@ -122,6 +128,10 @@ class OneShotVariant:
     clear_first: bool = True  # clear the previous slot before waiting instead of after
     relaxed_arrive: bool = True  # relaxed instead of acq_rel atomic for the arrival count
     split_push_words: int = 2048  # > 0: where split_push_programs allows, chunks of this many words
+    # Stages done twice, to time them by difference (H200.md's method; a push cannot be repeated: a
+    # second copy that no peer waits for could land after the peer has cleared the slot).
+    clears: int = 1  # clears of the previous slot (the second finds it clear, and writes it again)
+    reduces: int = 1  # passes over each row: wait, sum, residual, norm, stores (the second waits for nothing)
 
 
 DEFAULT_VARIANT = OneShotVariant()
@@ -199,5 +209,6 @@ def oneshot_allreduce_add_rmsnorm(
         *args, pushers, RANK=rank, WORLD=world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
         CLEAR_FIRST=variant.clear_first, RELAXED_ARRIVE=variant.relaxed_arrive,
         SPLIT_PUSH=pushers > 0, PUSH_CHUNKS=push_chunks, BLOCK_C=block_c,
+        CLEARS=variant.clears, REDUCES=variant.reduces,
         num_warps=num_warps, launch_pdl=use_pdl,
     )
