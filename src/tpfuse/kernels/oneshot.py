@@ -203,7 +203,7 @@ def oneshot_allreduce_add_rmsnorm(
     block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant)
     programs = launch_programs(n_tokens, hidden, max_programs)
     pushers = split_push_programs(n_tokens, hidden, programs, max_programs, variant.split_push_words)
-    block_c = min(block_h, variant.split_push_words) if pushers else block_h
+    block_c = variant.split_push_words if pushers else block_h  # a split row is wider than a chunk
     push_chunks = triton.cdiv(hidden, block_c)
     _oneshot_allreduce_add_rmsnorm_kernel[(pushers + programs,)](
         *args, pushers, RANK=rank, WORLD=world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
