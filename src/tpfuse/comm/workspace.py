@@ -88,6 +88,9 @@ def allocate_cuda(group: dist.ProcessGroup, region_elems: int, device: torch.dev
     buf.fill_(SENTINEL)
     enable_symm_mem(group.group_name)
     handle = symm_mem.rendezvous(buf, group.group_name)
+    # The kernels move rows 16 bytes an access and tell the compiler these buffers allow it.
+    if any(ptr % 16 for ptr in handle.buffer_ptrs):
+        raise RuntimeError(f"tpfuse: a peer's workspace buffer is not 16-byte aligned: {handle.buffer_ptrs}")
     peer_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
     state = torch.zeros(STATE_LEN, dtype=torch.int32, device=device)
     torch.cuda.synchronize(device)

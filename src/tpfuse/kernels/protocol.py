@@ -56,6 +56,8 @@ def kernel_arguments(
     if wait_limit is None:
         wait_limit = wait_limit_for(DEFAULT_WAIT_TIMEOUT_S, on_gpu)
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
+    # The kernels take both for multiples of 8 (16-byte rows); select.kernel_supports admits no others.
+    assert hidden % 8 == 0 and workspace.region_elems % 8 == 0, (hidden, workspace.region_elems)
     args = (x, residual if residual is not None else x, weight,
             y.view(torch.uint8) if quant_scale is not None else y, h,
             quant_scale if quant_scale is not None else weight,
@@ -79,7 +81,10 @@ def _sendable_bits(ptr, offs, mask):
 
 @triton.jit
 def _peer_base(peer_ptrs_ptr, r):
-    return tl.load(peer_ptrs_ptr + r).to(tl.pointer_type(tl.int16))
+    """Rank r's workspace buffer. Said to be 16-byte aligned (it is: symmetric-memory allocations are
+    page-aligned), so that rows move in 16-byte accesses: without the hint the compiler cannot know
+    the alignment of a pointer read from memory and pushes, polls and clears went 2 bytes at a time."""
+    return tl.multiple_of(tl.load(peer_ptrs_ptr + r).to(tl.pointer_type(tl.int16)), 16)
 
 
 @triton.jit
@@ -171,6 +176,7 @@ def _clear_slot(
     Our own region is never written by anyone (we keep our rows in x), so it stays clear.
     """
     sentinel = tl.full([BLOCK_H], _SENTINEL, tl.int16)
+    extent = extent // 8 * 8  # it is one already (tokens x hidden); said so, the stores are 16 bytes
     for r in tl.static_range(WORLD):
         if r != RANK:
             start = first * BLOCK_H
