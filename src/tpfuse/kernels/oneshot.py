@@ -137,6 +137,7 @@ class OneShotVariant:
     # second copy that no peer waits for could land after the peer has cleared the slot).
     clears: int = 1  # clears of the previous slot (the second finds it clear, and writes it again)
     reduces: int = 1  # passes over each row: wait, sum, residual, norm, stores (the second waits for nothing)
+    pair_large_rows: bool = True  # two rows a program for many large rows (launch_programs)
 
 
 DEFAULT_VARIANT = OneShotVariant()
@@ -161,9 +162,9 @@ MANY_TOKENS = 64
 LARGE_ROW_BYTES = 12 << 10
 
 
-def launch_programs(n_tokens: int, hidden: int, max_programs: int) -> int:
+def launch_programs(n_tokens: int, hidden: int, max_programs: int, pair_large_rows: bool = True) -> int:
     """Programs that reduce rows: one a row (two for many large rows), at most ``max_programs``."""
-    if n_tokens > MANY_TOKENS and hidden * 2 >= LARGE_ROW_BYTES:
+    if pair_large_rows and n_tokens > MANY_TOKENS and hidden * 2 >= LARGE_ROW_BYTES:
         return min(max_programs, (n_tokens + 1) // 2)
     return min(n_tokens, max_programs)
 
@@ -206,7 +207,7 @@ def oneshot_allreduce_add_rmsnorm(
     n_tokens, hidden = x.shape
     args, flags = kernel_arguments(x, residual, weight, eps, y, h, workspace, quant_scale, wait_limit)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant)
-    programs = launch_programs(n_tokens, hidden, max_programs)
+    programs = launch_programs(n_tokens, hidden, max_programs, variant.pair_large_rows)
     pushers = split_push_programs(n_tokens, hidden, programs, max_programs, variant.split_push_words)
     block_c = variant.split_push_words if pushers else block_h  # a split row is wider than a chunk
     push_chunks = triton.cdiv(hidden, block_c)
