@@ -137,7 +137,6 @@ class OneShotVariant:
     # second copy that no peer waits for could land after the peer has cleared the slot).
     clears: int = 1  # clears of the previous slot (the second finds it clear, and writes it again)
     reduces: int = 1  # passes over each row: wait, sum, residual, norm, stores (the second waits for nothing)
-    pair_large_rows: bool = True  # two rows a program for many large rows (launch_programs)
 
 
 DEFAULT_VARIANT = OneShotVariant()
@@ -155,17 +154,12 @@ def launch_config(hidden: int, device: torch.device, variant: OneShotVariant = D
     return block_h, num_warps, use_pdl
 
 
-# From this many tokens on, rows of at least LARGE_ROW_BYTES go at least two to a program: one large
-# row a program on ~100+ SMs that poll right after pushing ran 1.3-2.7x slower on 2 x H200
-# (docs/kernel-notes.md, run 7); two rows, pushed before the first poll, did not.
-MANY_TOKENS = 64
-LARGE_ROW_BYTES = 12 << 10
+def launch_programs(n_tokens: int, hidden: int, max_programs: int) -> int:
+    """Programs that reduce rows: one a row, at most ``max_programs`` (the grid must be resident).
 
-
-def launch_programs(n_tokens: int, hidden: int, max_programs: int, pair_large_rows: bool = True) -> int:
-    """Programs that reduce rows: one a row (two for many large rows), at most ``max_programs``."""
-    if pair_large_rows and n_tokens > MANY_TOKENS and hidden * 2 >= LARGE_ROW_BYTES:
-        return min(max_programs, (n_tokens + 1) // 2)
+    Two large rows a program from 65 tokens on (run 8) stopped paying once rows moved 16 bytes an
+    access: one row a program made 7168/8192 x 80-128 tokens 11-17% shorter on 2 x H200 (run 14).
+    """
     return min(n_tokens, max_programs)
 
 
@@ -207,7 +201,7 @@ def oneshot_allreduce_add_rmsnorm(
     n_tokens, hidden = x.shape
     args, flags = kernel_arguments(x, residual, weight, eps, y, h, workspace, quant_scale, wait_limit)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant)
-    programs = launch_programs(n_tokens, hidden, max_programs, variant.pair_large_rows)
+    programs = launch_programs(n_tokens, hidden, max_programs)
     pushers = split_push_programs(n_tokens, hidden, programs, max_programs, variant.split_push_words)
     block_c = variant.split_push_words if pushers else block_h  # a split row is wider than a chunk
     push_chunks = triton.cdiv(hidden, block_c)
