@@ -158,7 +158,7 @@ def launch_programs(n_tokens: int, hidden: int, max_programs: int) -> int:
     """Programs that reduce rows: one a row, at most ``max_programs`` (the grid must be resident).
 
     Two large rows a program from 65 tokens on (run 8) stopped paying once rows moved 16 bytes an
-    access: one row a program made 7168/8192 x 80-128 tokens 11-17% shorter on 2 x H200 (run 14).
+    access: one row a program made 7168/8192 x 80-128 tokens 12-18% shorter on 2 x H200 (run 14).
     """
     return min(n_tokens, max_programs)
 
