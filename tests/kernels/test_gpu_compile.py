@@ -55,9 +55,10 @@ def _compile_all() -> None:
         }
         # Triton's launcher tells the compiler which pointers are 16-byte aligned (torch's tensors are);
         # the sizes get no hint here, as for a hidden size such as 4104 that is not a multiple of 16.
-        aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(kernel.arg_names) if arg in POINTERS}
-        compiled = triton.compile(ASTSource(kernel, signature, flags, aligned), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 16})
+        aligned = {(i,): [["tt.divisibility", 16]]
+                   for i, arg in enumerate(kernel.arg_names) if arg in POINTERS}
+        compiled = triton.compile(ASTSource(kernel, signature, flags, aligned),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
         ptx = compiled.asm["ptx"]
         narrow = len(re.findall(r"(?:ld|st)(?:\.volatile)?\.global\.b16", ptx))
         print(f"{name} W={world} {dtype} fp8={quant} {constexprs}: {len(compiled.asm['cubin'])} bytes, "

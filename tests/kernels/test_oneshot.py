@@ -123,8 +123,8 @@ def _variants(rank, world_size, backend, case, names):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tokens, hidden", [(70, 8192), (1, 7168), (2, 4096)])
 def test_benchmark_launch_variants_compute_the_same_op(rank_pool, backend, tokens, hidden):
-    # 70 rows of 16 KiB: two rows a program, no split push. A row or two: the default splits the push
-    # (7168 = 3.5 chunks of 2048 words) and the no_split_push variant does not.
+    # 70 rows of 16 KiB: several rows a program (16 programs), no split push. A row or two: the
+    # default splits the push (7168 = 3.5 chunks of 2048 words) and the no_split_push variant does not.
     from tpfuse.bench.providers import ONESHOT_VARIANTS
 
     case, names = Case(tokens, hidden, seed=11), sorted(ONESHOT_VARIANTS)
