@@ -64,9 +64,9 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     SPLIT_PUSH: tl.constexpr, PUSH_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
     CLEARS: tl.constexpr = 1, REDUCES: tl.constexpr = 1,
 ):
-    # Both are multiples of 8 (kernel_arguments checks). Written so, the compiler knows that rows and
-    # regions start on 16-byte boundaries and moves them in 16-byte accesses, also where Triton's own
-    # divisibility-by-16 hint is absent (tl.multiple_of on an argument did not do it, triton 3.6).
+    # Both are multiples of 8 (kernel_arguments checks); `// 8 * 8` tells the compiler so, and it then
+    # moves rows and regions in 16-byte accesses also without Triton's own divisibility-by-16 hint
+    # (a hidden size of 4104, say). tl.multiple_of on an argument did not (triton 3.6).
     hidden = hidden // 8 * 8
     region_elems = region_elems // 8 * 8
     call, slot, slot_base, prev_base, prev_extent = _slots(state_ptr, region_elems, WORLD, USE_PDL)

@@ -81,9 +81,9 @@ def _sendable_bits(ptr, offs, mask):
 
 @triton.jit
 def _peer_base(peer_ptrs_ptr, r):
-    """Rank r's workspace buffer. Said to be 16-byte aligned (it is: symmetric-memory allocations are
-    page-aligned), so that rows move in 16-byte accesses: without the hint the compiler cannot know
-    the alignment of a pointer read from memory and pushes, polls and clears went 2 bytes at a time."""
+    """Rank r's workspace buffer, said to be 16-byte aligned (allocate_cuda checks it) so that rows move
+    in 16-byte accesses: without the hint the compiler cannot know the alignment of a pointer read
+    from memory, and pushes, polls and clears went 2 bytes at a time."""
     return tl.multiple_of(tl.load(peer_ptrs_ptr + r).to(tl.pointer_type(tl.int16)), 16)
 
 
