@@ -51,6 +51,7 @@ def test_twoshot_sequences(rank_pool, backend, world_size, oneshot_max):
             residual=i % 3 != 0,
             seed=i,
             quant_scale=0.05 if i == 4 else None,
+            cancelling=i % 3 == 1,
         )
         for i, (t, h) in enumerate(SEQUENCE)
     ]
@@ -83,9 +84,9 @@ def _wide(rank, world_size, cases):
 def test_both_kernels_at_four_and_eight_ranks(rank_pool, world_size):
     # Fewer tokens than ranks, one-shot sizes, two-shot sizes not divisible by the world size.
     cases = [
-        Case(3, 512, seed=1),
+        Case(3, 512, seed=1, cancelling=True),
         Case(4, 64, residual=False, seed=2),
-        Case(13, 512, seed=3),
+        Case(13, 512, seed=3, cancelling=True),
         Case(20, 64, seed=4),
     ]
     results = rank_pool(world_size).run(_wide, cases, timeout=900)

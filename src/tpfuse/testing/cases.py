@@ -31,12 +31,21 @@ class Case:
     weight_fp32: bool = False
     seed: int = 0
     eps: float = 1e-6
+    # Ranks 0 and 1 send +B and -B (B = 2**30 in bf16, 2**15 in fp16): summed in rank order they
+    # cancel exactly and the other ranks' values survive; a sum that adds another rank between them
+    # rounds those values away (fp32 keeps 24 bits). With normal values alone, sums of a few ranks
+    # are exact in fp32 whatever the order, so no test could see the order. Needs 3+ ranks (two
+    # terms add the same either way); ignored below that.
+    cancelling: bool = False
 
     def inputs(self, world_size: int, device: torch.device | str = "cpu") -> dict:
         """All ranks' inputs: ``xs`` (one per rank), ``residual``, ``weight``, ``quant_scale``."""
         g = torch.Generator().manual_seed(self.seed * 7919 + self.tokens * 131 + self.hidden)
         shape = (self.tokens, self.hidden)
         xs = [torch.randn(shape, generator=g).to(self.dtype) for _ in range(world_size)]
+        if self.cancelling and world_size >= 3:
+            big = 2.0 ** (15 if self.dtype == torch.float16 else 30)
+            xs[0], xs[1] = torch.full(shape, big, dtype=self.dtype), torch.full(shape, -big, dtype=self.dtype)
         residual = torch.randn(shape, generator=g).to(self.dtype) if self.residual else None
         weight = (1 + 0.5 * torch.randn(self.hidden, generator=g)).to(
             torch.float32 if self.weight_fp32 else self.dtype)
