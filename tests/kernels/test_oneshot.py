@@ -153,10 +153,10 @@ def test_speculative_sum_keeps_the_default_h(rank_pool, backend, world_size, res
 
 
 def test_split_push_only_where_every_chunk_has_a_resident_program():
-    from tpfuse.kernels.oneshot import launch_programs, split_push_programs
+    from tpfuse.kernels.oneshot import split_push_programs
 
-    def pushers(tokens, hidden, sms=132, words=2048):
-        return split_push_programs(tokens, hidden, launch_programs(tokens, hidden, sms), sms, words)
+    def pushers(tokens, hidden, sms=132, words=2048):  # the launcher's grid: one program a row
+        return split_push_programs(tokens, hidden, min(tokens, sms), sms, words)
 
     # The sizes measured on 2 x H200 (docs/kernel-notes.md, run 12): split where it won, not elsewhere.
     assert [pushers(t, 8192) for t in (1, 8, 16, 32, 64)] == [4, 32, 64, 0, 0]

@@ -213,15 +213,6 @@ def launch_config(hidden: int, device: torch.device, variant: OneShotVariant = D
     return block_h, num_warps, use_pdl
 
 
-def launch_programs(n_tokens: int, hidden: int, max_programs: int) -> int:
-    """Programs that reduce rows: one a row, at most ``max_programs`` (the grid must be resident).
-
-    Two large rows a program from 65 tokens on (run 8) stopped paying once rows moved 16 bytes an
-    access: one row a program made 7168/8192 x 80-128 tokens 12-18% shorter on 2 x H200 (run 14).
-    """
-    return min(n_tokens, max_programs)
-
-
 def split_push_programs(n_tokens: int, hidden: int, programs: int, max_programs: int, words: int) -> int:
     """Programs that only push x, one a chunk of ``words``, or 0 when the push stays with the row programs.
 
@@ -260,7 +251,10 @@ def oneshot_allreduce_add_rmsnorm(
     n_tokens, hidden = x.shape
     args, flags = kernel_arguments(x, residual, weight, eps, y, h, workspace, quant_scale, wait_limit)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant)
-    programs = launch_programs(n_tokens, hidden, max_programs)
+    # One row a program, at most max_programs (the grid must be resident). Two large rows a program
+    # from 65 tokens on (run 8) stopped paying once rows moved 16 bytes an access: one row a program
+    # made 7168/8192 x 80-128 tokens 12-18% shorter on 2 x H200 (docs/kernel-notes.md, run 14).
+    programs = min(n_tokens, max_programs)
     pushers = split_push_programs(n_tokens, hidden, programs, max_programs, variant.split_push_words)
     block_c = variant.split_push_words if pushers else block_h  # a split row is wider than a chunk
     push_chunks = triton.cdiv(hidden, block_c)
