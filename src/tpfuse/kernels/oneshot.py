@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 from tpfuse.comm.workspace import Workspace
-from tpfuse.kernels.protocol import (_SENTINEL, _clear_slot, _finish_call, _peer_base, _sendable_bits, _slots,
-                                     _start_clock, _store_normed, _store_scaled, _sum_in_rank_order,
-                                     _time_left, kernel_arguments)
+from tpfuse.kernels.protocol import (_SENTINEL, _clear_slot, _finish_call, _multiple_of_8, _peer_base,
+                                     _sendable_bits, _slots, _start_clock, _store_normed, _store_scaled,
+                                     _sum_in_rank_order, _time_left, kernel_arguments)
 
 
 @triton.jit
@@ -114,11 +114,8 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     SPLIT_PUSH: tl.constexpr, PUSH_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
     CLEARS: tl.constexpr = 1, REDUCES: tl.constexpr = 1, SPECULATE: tl.constexpr = False,
 ):
-    # Both are multiples of 8 (kernel_arguments checks); `// 8 * 8` tells the compiler so, and it then
-    # moves rows and regions in 16-byte accesses also without Triton's own divisibility-by-16 hint
-    # (a hidden size of 4104, say). tl.multiple_of on an argument did not (triton 3.6).
-    hidden = hidden // 8 * 8
-    region_elems = region_elems // 8 * 8
+    hidden = _multiple_of_8(hidden)  # both checked by kernel_arguments
+    region_elems = _multiple_of_8(region_elems)
     call, slot, slot_base, prev_base, prev_extent = _slots(state_ptr, region_elems, WORLD, USE_PDL)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)

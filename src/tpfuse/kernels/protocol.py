@@ -80,6 +80,15 @@ def _sendable_bits(ptr, offs, mask):
 
 
 @triton.jit
+def _multiple_of_8(n):
+    """``n``, which is a multiple of 8, written so that the compiler knows it: rows and regions then
+    start on 16-byte boundaries and move in 16-byte accesses, also without Triton's own
+    divisibility-by-16 hint (a hidden size of 4104, say). tl.multiple_of on an argument did not
+    do it (triton 3.6)."""
+    return n // 8 * 8
+
+
+@triton.jit
 def _peer_base(peer_ptrs_ptr, r):
     """Rank r's workspace buffer, said to be 16-byte aligned (allocate_cuda checks it) so that rows move
     in 16-byte accesses: without the hint the compiler cannot know the alignment of a pointer read
@@ -178,7 +187,7 @@ def _clear_slot(
     Our own region is never written by anyone (we keep our rows in x), so it stays clear.
     """
     sentinel = tl.full([BLOCK_H], _SENTINEL, tl.int16)
-    extent = extent // 8 * 8  # it is one already (tokens x hidden); said so, the stores are 16 bytes
+    extent = _multiple_of_8(extent)  # tokens x hidden
     for r in tl.static_range(WORLD):
         if r != RANK:
             start = first * BLOCK_H

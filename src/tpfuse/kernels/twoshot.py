@@ -30,9 +30,9 @@ import triton.language as tl
 
 from tpfuse.comm.workspace import Workspace
 from tpfuse.kernels.oneshot import launch_config
-from tpfuse.kernels.protocol import (_clear_slot, _finish_call, _peer_base, _sendable, _sendable_bits, _slots,
-                                     _start_clock, _store_normed, _sum_in_rank_order, _wait_row,
-                                     kernel_arguments)
+from tpfuse.kernels.protocol import (_clear_slot, _finish_call, _multiple_of_8, _peer_base, _sendable,
+                                     _sendable_bits, _slots, _start_clock, _store_normed, _sum_in_rank_order,
+                                     _wait_row, kernel_arguments)
 
 
 @triton.jit
@@ -135,11 +135,8 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     USE_CLOCK: tl.constexpr,
     GROUPED: tl.constexpr,
 ):
-    # Both are multiples of 8 (kernel_arguments checks); `// 8 * 8` tells the compiler so, and it then
-    # moves rows and regions in 16-byte accesses also without Triton's own divisibility-by-16 hint
-    # (a hidden size of 4104, say). tl.multiple_of on an argument did not (triton 3.6).
-    hidden = hidden // 8 * 8
-    region_elems = region_elems // 8 * 8
+    hidden = _multiple_of_8(hidden)  # both checked by kernel_arguments
+    region_elems = _multiple_of_8(region_elems)
     call, slot, slot_base, prev_base, prev_extent = _slots(state_ptr, region_elems, WORLD, USE_PDL)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)

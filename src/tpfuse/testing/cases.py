@@ -34,8 +34,8 @@ class Case:
     # Ranks 0 and 1 send +B and -B (B = 2**30 in bf16, 2**15 in fp16): summed in rank order they
     # cancel exactly and the other ranks' values survive; a sum that adds another rank between them
     # rounds those values away (fp32 keeps 24 bits). With normal values alone, sums of a few ranks
-    # are nearly always exact in fp32 whatever the order, so no test could see the order. Needs 3+ ranks (two
-    # terms add the same either way); ignored below that.
+    # are nearly always exact in fp32 whatever the order, so no test could see the order. Needs 3+
+    # ranks (two terms add the same either way); ignored below that.
     cancelling: bool = False
 
     def inputs(self, world_size: int, device: torch.device | str = "cpu") -> dict:
