@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should run: GPU tests, graph-replay soak, tune, kernel benchmark, end to
-# end; a short table last. On 2 x H200 the tests took 6.1 min (2026-11-30, 100,000 replays a phase,
-# beside an eager soak; 4.3 min at 20,000), tune 1.5 min, the kernel benchmark 3-4 min, the end-to-end
-# benchmark 3-5 min: a 10-minute device call holds one part.
+# end; a short table last. On 2 x H200 (2026-11-30) the tests took 4.3 min at 100,000 replays a phase
+# (6.1 min beside an eager soak), tune 1.5 min, the kernel benchmark 2.5 min (`bench`: 20 token
+# counts, 5 providers), `variants` 2 min, the end-to-end benchmark 3-5 min: a 10-minute device call
+# holds one part.
 # Usage (device tool, carry [".anchors"] for FlashInfer):
 #   bash scripts/gpu_check.sh [quick|tests|bench|variants|e2e|soak-start|soak-wait]
 # Needs: 2+ GPUs, python3 with torch (>= 2.11) and triton; nothing is installed from a registry.
@@ -52,7 +53,7 @@ if [ "$MODE" = variants ]; then
   # One-shot launch variants (docs/kernel-notes.md) beside the default and FlashInfer, one process;
   # reduce_twice times that stage by difference.
   timeout 300 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --tokens 1,8,16,32,64,96,128,256 \
-    --providers tpfuse:oneshot,tpfuse:speculate,tpfuse:reduce_twice,tpfuse:no_split_push,flashinfer \
+    --providers tpfuse:oneshot,tpfuse:reduce_twice,tpfuse:no_split_push,flashinfer \
     --out "$OUT" > "$OUT/variants.log" 2>&1 || status=1
   grep -A30 "^hidden tokens" "$OUT/variants.log"
   # Two-shot: rows scattered a group ahead (docs/kernel-notes.md, "Two-shot").

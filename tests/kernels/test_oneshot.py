@@ -137,21 +137,6 @@ def test_benchmark_launch_variants_compute_the_same_op(rank_pool, backend, token
         check_results(case, 2, [res[i] for res in results])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("world_size, residual, quant_scale",
-                         [(2, True, None), (3, False, 0.05), (4, True, None)])
-def test_speculative_sum_keeps_the_default_h(rank_pool, backend, world_size, residual, quant_scale):
-    # The last peer is summed before it is known to have arrived; the h kept must be the default's,
-    # bit for bit, on every rank (the rank after the last peer adds its own row last). y may differ
-    # from the default's in the last bit: its sum of squares is reduced in another order (the same
-    # on every rank, which check_results checks).
-    case = Case(5, 4104, residual=residual, quant_scale=quant_scale, seed=world_size, cancelling=True)
-    results = rank_pool(world_size, backend).run(_variants, backend, case, [{"speculate": True}, {}])
-    check_results(case, world_size, [res[0] for res in results])
-    for (_, h_spec), (_, h) in results:
-        assert torch.equal(h_spec.view(torch.int16), h.view(torch.int16))
-
-
 def test_split_push_only_where_every_chunk_has_a_resident_program():
     from tpfuse.kernels.oneshot import split_push_programs
 

@@ -32,8 +32,6 @@ ONESHOT_VARIANTS = {
     # A stage done twice: the difference from the default is that stage's cost (docs/kernel-notes.md).
     "clear_twice": dict(clears=2),
     "reduce_twice": dict(reduces=2),
-    # The last peer's wait and the norm's sum of squares in one block reduction (docs/kernel-notes.md).
-    "speculate": dict(speculate=True),
 }
 # Two-shot variants "tpfuse:<name>": rows a program scatters ahead of the ones it reduces and gathers
 # (the default is twoshot.GROUP_ROWS; 0 is twoshot.ALL_ROWS, one group of all of a program's rows).

@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 from tpfuse.comm.workspace import Workspace
-from tpfuse.kernels.protocol import (_SENTINEL, _clear_slot, _finish_call, _multiple_of_8, _peer_base,
-                                     _sendable_bits, _slots, _start_clock, _store_normed, _store_scaled,
-                                     _sum_in_rank_order, _time_left, kernel_arguments)
+from tpfuse.kernels.protocol import (_clear_slot, _finish_call, _multiple_of_8, _peer_base, _sendable_bits,
+                                     _slots, _start_clock, _store_normed, _sum_in_rank_order,
+                                     kernel_arguments)
 
 
 @triton.jit
@@ -55,55 +55,6 @@ def _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, first, step,
 
 
 @triton.jit
-def _max_and_sum(missing_a, squares_a, missing_b, squares_b):
-    return tl.maximum(missing_a, missing_b), squares_a + squares_b
-
-
-@triton.jit
-def _h_missing_and_squares(before, last_bits, own_bits, res, x_ptr, RANK: tl.constexpr, LAST: tl.constexpr,
-                           HAS_RESIDUAL: tl.constexpr):
-    """h from the ranks before LAST, LAST's words as they are and ours after it (rank order kept), and
-    in one block reduction: whether a word of LAST's is still the sentinel, and h's sum of squares."""
-    dtype = x_ptr.dtype.element_ty
-    h = before + last_bits.to(dtype, bitcast=True).to(tl.float32)
-    if RANK > LAST:
-        h += own_bits.to(dtype, bitcast=True).to(tl.float32)
-    if HAS_RESIDUAL:
-        h += res
-    missing, squares = tl.reduce(((last_bits == _SENTINEL).to(tl.int32), h * h), 0, _max_and_sum)
-    return h, missing, squares
-
-
-@triton.jit
-def _sum_speculatively(x_ptr, own_bits, res, slot_ptr, region_elems, offs, mask, limit, failed,
-                       RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
-                       HAS_RESIDUAL: tl.constexpr, USE_CLOCK: tl.constexpr):
-    """(h, sum of h*h, bound left, failed) for one row, with the last peer's wait and the norm's sum in
-    one block reduction instead of two.
-
-    The last peer waited for (the highest rank but ours) is summed before it is known to have
-    arrived: a word still missing holds -0.0, a harmless value, and the reduction that finds it also
-    sums the squares; only a miss makes the program look again. The additions are those of
-    _sum_in_rank_order in the same order, so h is bit for bit the same; the sum of squares is reduced
-    in another order than tl.sum's, so y may differ from the default's in the last bit (the same
-    on every rank).
-    """
-    LAST: tl.constexpr = WORLD - 1 - (RANK == WORLD - 1)
-    before, limit, failed = _sum_in_rank_order(x_ptr, own_bits, slot_ptr, region_elems, offs, mask, limit,
-                                               failed, RANK, WORLD, BLOCK_H, USE_CLOCK, LAST)
-    src = slot_ptr + LAST * region_elems + offs
-    bits = tl.load(src, mask=mask, other=0, volatile=True)
-    h, missing, squares = _h_missing_and_squares(before, bits, own_bits, res, x_ptr, RANK, LAST, HAS_RESIDUAL)
-    while (missing > 0) & _time_left(limit, USE_CLOCK):
-        bits = tl.load(src, mask=mask, other=0, volatile=True)
-        h, missing, squares = _h_missing_and_squares(before, bits, own_bits, res, x_ptr, RANK, LAST,
-                                                     HAS_RESIDUAL)
-        if not USE_CLOCK:
-            limit -= 1
-    return h, squares, limit, failed | (missing > 0).to(tl.int32)
-
-
-@triton.jit
 def _oneshot_allreduce_add_rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, scale_ptr,
     peer_ptrs_ptr, state_ptr,
@@ -112,7 +63,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr, USE_CLOCK: tl.constexpr,
     CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr,
     SPLIT_PUSH: tl.constexpr, PUSH_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
-    CLEARS: tl.constexpr = 1, REDUCES: tl.constexpr = 1, SPECULATE: tl.constexpr = False,
+    CLEARS: tl.constexpr = 1, REDUCES: tl.constexpr = 1,
 ):
     hidden = _multiple_of_8(hidden)  # both checked by kernel_arguments
     region_elems = _multiple_of_8(region_elems)
@@ -158,20 +109,12 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
             res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x_bits = _sendable_bits(x_ptr, offs, mask)
         for _ in tl.static_range(REDUCES):  # a second pass finds the rows arrived: its cost is the reduce's
-            if SPECULATE:
-                h, squares, limit, failed = _sum_speculatively(
-                    x_ptr, x_bits, res if HAS_RESIDUAL else x_bits, own + slot_base, region_elems, offs, mask,
-                    limit, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL, USE_CLOCK)
-                tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
-                _store_scaled(h, tl.rsqrt(squares / hidden + eps), w, y_ptr, scale_ptr, offs, mask, HAS_QUANT)
-            else:
-                h, limit, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs,
-                                                      mask, limit, failed, RANK, WORLD, BLOCK_H, USE_CLOCK,
-                                                      WORLD)
-                if HAS_RESIDUAL:
-                    h += res
-                tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
-                _store_normed(h, w, y_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
+            h, limit, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask,
+                                                  limit, failed, RANK, WORLD, BLOCK_H, USE_CLOCK)
+            if HAS_RESIDUAL:
+                h += res
+            tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+            _store_normed(h, w, y_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
         row += row_step
     if not CLEAR_FIRST:
         for _ in tl.static_range(CLEARS):
@@ -192,7 +135,6 @@ class OneShotVariant:
     # second copy that no peer waits for could land after the peer has cleared the slot).
     clears: int = 1  # clears of the previous slot (the second finds it clear, and writes it again)
     reduces: int = 1  # passes over each row: wait, sum, residual, norm, stores (the second waits for nothing)
-    speculate: bool = False  # last peer's wait and the norm's sum in one block reduction (_sum_speculatively)
 
 
 DEFAULT_VARIANT = OneShotVariant()
@@ -259,6 +201,6 @@ def oneshot_allreduce_add_rmsnorm(
         *args, pushers, RANK=rank, WORLD=world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
         CLEAR_FIRST=variant.clear_first, RELAXED_ARRIVE=variant.relaxed_arrive,
         SPLIT_PUSH=pushers > 0, PUSH_CHUNKS=push_chunks, BLOCK_C=block_c,
-        CLEARS=variant.clears, REDUCES=variant.reduces, SPECULATE=variant.speculate,
+        CLEARS=variant.clears, REDUCES=variant.reduces,
         num_warps=num_warps, launch_pdl=use_pdl,
     )

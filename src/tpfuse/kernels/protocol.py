@@ -153,13 +153,11 @@ def _wait_row(src, mask, limit, USE_CLOCK: tl.constexpr):
 
 @triton.jit
 def _sum_in_rank_order(x_ptr, own_bits, slot_ptr, region_elems, offs, mask, limit, failed, RANK: tl.constexpr,
-                       WORLD: tl.constexpr, BLOCK_H: tl.constexpr, USE_CLOCK: tl.constexpr,
-                       UP_TO: tl.constexpr):
-    """fp32 sum of one row over ranks 0 .. UP_TO-1 (UP_TO = WORLD: all), in rank order: ours from
-    ``own_bits``, each peer's from its region of our slot (``slot_ptr``) once it has arrived.
-    Returns (sum, bound left, failed)."""
+                       WORLD: tl.constexpr, BLOCK_H: tl.constexpr, USE_CLOCK: tl.constexpr):
+    """fp32 sum of one row over the ranks, in rank order: ours from ``own_bits``, each peer's from its
+    region of our slot (``slot_ptr``) once it has arrived. Returns (sum, bound left, failed)."""
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for r in tl.static_range(UP_TO):
+    for r in tl.static_range(WORLD):
         if r == RANK:
             bits = own_bits
         else:
@@ -223,12 +221,6 @@ def _finish_call(state_ptr, call, slot, n_tokens, hidden, failed, n_programs, RE
 def _store_normed(h, w, y_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT: tl.constexpr):
     """y = h * rsqrt(mean(h*h) + eps) * w from an fp32 row, stored in y's dtype or as fp8 bits."""
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    _store_scaled(h, rstd, w, y_ptr, scale_ptr, offs, mask, HAS_QUANT)
-
-
-@triton.jit
-def _store_scaled(h, rstd, w, y_ptr, scale_ptr, offs, mask, HAS_QUANT: tl.constexpr):
-    """y = h * rstd * w, stored in y's dtype or as fp8 bits."""
     y = h * rstd * w
     if HAS_QUANT:  # y_ptr is the fp8 output viewed as uint8
         y = tl.clamp(y / tl.load(scale_ptr), -448.0, 448.0)

@@ -78,7 +78,7 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, o
                 res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             acc, limit, failed = _sum_in_rank_order(
                 x_ptr, _sendable_bits(x_ptr, offs, mask), own_slot, region_elems, offs, mask, limit,
-                failed, RANK, WORLD, BLOCK_H, USE_CLOCK, WORLD
+                failed, RANK, WORLD, BLOCK_H, USE_CLOCK
             )
             if HAS_RESIDUAL:
                 acc += res
