@@ -22,7 +22,8 @@ def rank_pool(tmp_path_factory):
             # A fresh Inductor cache per rank: the fusion pass runs (and counts) on every rank instead of
             # one rank loading the graph another rank just cached.
             cache = tmp_path_factory.mktemp("inductor-cache")
-            _pools[key] = RankPool(world_size, backend, env={"TORCHINDUCTOR_CACHE_DIR": f"{cache}/rank{{rank}}"})
+            env = {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/rank{{rank}}"}
+            _pools[key] = RankPool(world_size, backend, env=env)
         return _pools[key]
 
     yield get

@@ -133,10 +133,12 @@ def run_demo(world_size: int | None = None) -> int:
         print(f"{case.tokens:>6} {case.hidden:>6} {str(case.dtype).replace('torch.', ''):>9} "
               f"{str(case.residual):>8} {y_dtype:>13} {results[0][1][i][1]:>15}  {verdict}")
     m = model_results[0]
-    print(f"\ntiny tensor-parallel Llama ({world_size} ranks, 4 layers, hidden 64, bf16) compiled with tpfuse.compile:")
+    print(f"\ntiny tensor-parallel Llama ({world_size} ranks, 4 layers, hidden 64, bf16) "
+          "compiled with tpfuse.compile:")
     print(f"  fused all-reduce + add + RMSNorm sites run per forward: {m['fused']} of 8; fused kernel calls "
           f"while decoding {NEW_TOKENS} tokens: {m['kernel_calls']}")
-    print(f"  largest logit difference from the unfused model: {m['diff']:.4f} (largest logit {m['top']:.2f})")
+    print(f"  largest logit difference from the unfused model: {m['diff']:.4f} "
+          f"(largest logit {m['top']:.2f})")
     print(f"  greedy ids, unfused: {m['eager']}")
     print(f"  greedy ids, fused:   {m['compiled']}")
     ranks_agree = all(r["compiled"] == m["compiled"] for r in model_results)

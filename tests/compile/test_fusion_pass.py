@@ -142,7 +142,8 @@ def _site(rank, world_size, kind, dtype):
     ("fp32_weight", torch.bfloat16, 0, "fused 0 of 1"),  # the op has no pre-add sum; reason logged once
 ])
 def test_sites_fuse_only_when_they_may_and_stay_right(rank_pool, kind, dtype, fused, logged):
-    for expected, got, (fused_sites, unfused_sites), kernel_calls, messages in rank_pool(2).run(_site, kind, dtype):
+    results = rank_pool(2).run(_site, kind, dtype)
+    for expected, got, (fused_sites, unfused_sites), kernel_calls, messages in results:
         if logged:
             assert any(logged in m for m in messages), messages
         # Sites the backend already knows to be ineligible (max, fp32) get no fused graph at all.

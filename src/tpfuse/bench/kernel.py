@@ -36,7 +36,8 @@ def bench_rank(hiddens: list[int], tokens: list[int], providers: list[str]) -> t
         print(f"peer copy bandwidth ({max_t * max_h * 2 >> 20} MiB): {ceiling:.1f} GB/s", flush=True)
     rows = []
     for hidden in hiddens:
-        weight = (1 + 0.5 * torch.randn(hidden, generator=torch.Generator().manual_seed(hidden))).bfloat16().to(dev)
+        weight_gen = torch.Generator().manual_seed(hidden)
+        weight = (1 + 0.5 * torch.randn(hidden, generator=weight_gen)).bfloat16().to(dev)
         for n in tokens:
             gens = [torch.Generator().manual_seed(1000 * n + hidden + r) for r in range(world + 1)]
             xs = [torch.randn(n, hidden, generator=g).bfloat16() for g in gens[:world]]

@@ -111,7 +111,8 @@ def match_rmsnorm(h: Node) -> tuple[Node, Node, float, list[Node]] | None:
             if list(mean.args[1]) not in ([-1], [_val(c).dim() - 1]):
                 continue
             add_eps = _only_user(mean)
-            if not _is(add_eps, aten.add.Tensor, aten.add.Scalar) or not isinstance(add_eps.args[1], (int, float)):
+            if not (_is(add_eps, aten.add.Tensor, aten.add.Scalar)
+                    and isinstance(add_eps.args[1], (int, float))):
                 continue
             rsqrt = _only_user(add_eps)
             if not _is(rsqrt, aten.rsqrt.default):
@@ -179,7 +180,8 @@ class FusionPattern:
             if not _is(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1:
                 return None
             residual = _other(add, wait)
-            if not isinstance(residual, Node) or _val(residual) is None or _val(residual).shape != _val(wait).shape:
+            if (not isinstance(residual, Node) or _val(residual) is None
+                    or _val(residual).shape != _val(wait).shape):
                 return None
             h = add
         norm = match_rmsnorm(h)

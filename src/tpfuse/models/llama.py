@@ -211,7 +211,8 @@ class Transformer(nn.Module):
         return logits.view(batch, -1, logits.shape[-1]) if batched else logits
 
     @classmethod
-    def build(cls, preset: str | ModelArgs, *, seed: int = 0, dtype=torch.bfloat16, device="cpu", **overrides):
+    def build(cls, preset: str | ModelArgs, *, seed: int = 0, dtype=torch.bfloat16, device="cpu",
+              **overrides):
         """Random weights, identical on every rank for replicated parameters; shards differ by rank."""
         args = PRESETS[preset] if isinstance(preset, str) else preset
         args = replace(args, **overrides)
@@ -225,6 +226,7 @@ class Transformer(nn.Module):
         torch.manual_seed(seed + 1000 + (dist.get_rank() if dist.is_initialized() else 0))  # shards
         nn.init.normal_(model.output.weight, std=0.02)
         for layer in model.layers:
-            for lin in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2):
+            ffn = layer.feed_forward
+            for lin in (layer.attention.wqkv, layer.attention.wo, ffn.w13, ffn.w2):
                 nn.init.normal_(lin.weight, std=lin.in_features ** -0.5)
         return model.to(device=device, dtype=dtype).eval()

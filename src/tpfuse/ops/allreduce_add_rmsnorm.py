@@ -72,7 +72,8 @@ def check_inputs(
         if quant_scale.dtype != torch.float32 or quant_scale.numel() != 1:
             raise ValueError("quant_scale must be a float32 tensor of one element")
         same_place(quant_scale, "quant_scale")
-    for name, t, dtype in (("out", out, _output_dtype(x, quant_scale)), ("residual_out", residual_out, x.dtype)):
+    outputs = (("out", out, _output_dtype(x, quant_scale)), ("residual_out", residual_out, x.dtype))
+    for name, t, dtype in outputs:
         if t is None:
             continue
         if tuple(t.shape) != shape:
