@@ -105,21 +105,20 @@ def test_call_over_the_workspace_takes_the_reference_path(rank_pool, backend):
 SPARE_PROGRAMS = 16
 
 
-def _variants(rank, world_size, backend, case, variants):
-    """(y, h) of one call of the one-shot kernel for each variant (OneShotVariant's arguments)."""
+def _variants(rank, world_size, backend, case, names):
+    """(y, h) of one call of the one-shot kernel for each of the benchmark's variants ``names``."""
+    from tpfuse.bench.providers import ONESHOT_VARIANTS
     from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
 
     device = rank_device(backend, rank)
     comm = tpfuse.get_communicator(max_tokens=case.tokens, hidden=case.hidden)
     inp = case.inputs(world_size, device)
-    quant = inp["quant_scale"] is not None
     out = []
-    for variant in variants:
-        y = torch.full_like(inp["xs"][rank], float("nan"), dtype=torch.float8_e4m3fn if quant else None)
-        h = torch.full_like(inp["xs"][rank], float("nan"))
+    for name in names:
+        y, h = torch.full_like(inp["xs"][rank], float("nan")), torch.full_like(inp["xs"][rank], float("nan"))
         oneshot_allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps, y, h,
-                                      comm.workspace, rank, world_size, SPARE_PROGRAMS, inp["quant_scale"],
-                                      variant=OneShotVariant(**variant))
+                                      comm.workspace, rank, world_size, SPARE_PROGRAMS,
+                                      variant=OneShotVariant(**ONESHOT_VARIANTS[name]))
         out.append((y.cpu(), h.cpu()))
     return out
 
@@ -132,7 +131,7 @@ def test_benchmark_launch_variants_compute_the_same_op(rank_pool, backend, token
     from tpfuse.bench.providers import ONESHOT_VARIANTS
 
     case, names = Case(tokens, hidden, seed=11), sorted(ONESHOT_VARIANTS)
-    results = rank_pool(2, backend).run(_variants, backend, case, [ONESHOT_VARIANTS[n] for n in names])
+    results = rank_pool(2, backend).run(_variants, backend, case, names)
     for i in range(len(names)):
         check_results(case, 2, [res[i] for res in results])
 
