@@ -135,7 +135,7 @@ def _site(rank, world_size, kind, dtype):
     ("no_residual", torch.bfloat16, 1, "fused 1 of 1"),
     ("fp8", torch.bfloat16, 1, "fused 1 of 1"),
     ("plain", torch.float16, 1, "fused 1 of 1"),
-    ("op_between", torch.bfloat16, 0, "no fusable add/RMSNorm pattern"),
+    ("op_between", torch.bfloat16, 0, "no RMSNorm (or residual add then RMSNorm) follows"),
     ("max_all_reduce", torch.bfloat16, 0, None),
     ("plain", torch.float32, 0, None),  # dtype the kernels do not take
     ("sum_used_elsewhere", torch.bfloat16, 0, "fused 0 of 1"),

@@ -132,6 +132,15 @@ class Communicator:
         """Largest token count a fused call of this group can take (:func:`tpfuse.select.max_token_num`)."""
         return select.max_token_num(hidden, dtype, self.world_size, self.workspace_bytes, self.device)
 
+    def fusion_signature(self) -> str:
+        """What decides which calls of this group can fuse: backend, world size, workspace, table."""
+        import hashlib
+        import json
+
+        table = select.algorithm_table(self.world_size, self.device).to_json()
+        digest = hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:12]
+        return f"{self.group_name}:{self.backend}:{self.world_size}:{self.workspace_bytes}:{digest}"
+
     def choose_algorithm(self, n_tokens: int, hidden: int, dtype: torch.dtype,
                          quantized: bool = False) -> str:
         """The algorithm a call of this group runs (see :func:`tpfuse.select.choose_algorithm`)."""
@@ -285,6 +294,13 @@ def lookup_communicator(group_name: str) -> Communicator | None:
     """The registered communicator of a group, or None; never creates one (used by the op and pass)."""
     with _registry_lock:
         return _registry.get(group_name)
+
+
+def fusion_signature() -> str:
+    """:meth:`Communicator.fusion_signature` of every registered communicator: the compiler pass's cache key."""
+    with _registry_lock:
+        comms = sorted(_registry.values(), key=lambda c: c.group_name)
+    return ";".join(comm.fusion_signature() for comm in comms)
 
 
 def check_errors() -> None:

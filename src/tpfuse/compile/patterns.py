@@ -1,9 +1,11 @@
 """Fusion patterns over post-grad FX graphs: all-reduce -> (add) -> RMSNorm (-> static fp8).
 
-Before (what Inductor's post-grad graph holds for a tensor-parallel block end)::
+Before (what Inductor's post-grad graph holds for a tensor-parallel block end; any rank >= 2, the
+last dimension is the hidden size H, the others are tokens)::
 
-    a  = wait_tensor(all_reduce(x, "sum", group))
-    h  = a + residual                               # residual patterns only
+    a  = wait_tensor(all_reduce(x, "sum", group))   # x: [..., H]
+    a  = reshape(a, ...)                            # any views that keep rows of H (or none)
+    h  = a + residual | residual + a                # residual patterns only; may broadcast [S,H]+[1,S,H]
     c  = h.to(float32); r = rsqrt(mean(c ** 2, -1, keepdim=True) + eps)
     y  = (c * r).to(dtype) * weight                 # HF Llama/Qwen/Mistral and gpt-fast styles
        | ((c * r) * weight).to(dtype)               # torch.nn.functional.rms_norm / nn.RMSNorm
@@ -11,15 +13,19 @@ Before (what Inductor's post-grad graph holds for a tensor-parallel block end)::
 
 After::
 
-    y, h = torch.ops.tpfuse.allreduce_add_rmsnorm(x, residual or None, weight, eps, group, scale or None)
+    y2, h2 = torch.ops.tpfuse.allreduce_add_rmsnorm(
+        x.reshape(-1, H), residual.reshape(-1, H) or None, weight, eps, group, scale or None)
+    y, h = y2.reshape(y.shape), h2.reshape(h.shape)  # the caller's shapes; views of the sum reuse h
 
-One class per pattern: ``search`` walks from an all-reduce node and returns a :class:`Match`,
-``extra_check`` returns why a match must not be fused (or None), ``replace`` rewrites the graph, and
-``example`` is the pattern in plain torch, for tests and documentation. Any eps value matches.
+One class per pattern: ``search`` walks from an all-reduce node and returns a :class:`Match` (with a
+``problem`` when the structure is there but cannot be fused), ``extra_check`` returns why a match must
+not be fused (or None), ``replace`` rewrites the graph, and ``example`` is the pattern in plain torch,
+for tests and documentation. Any eps value matches.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -33,6 +39,9 @@ from tpfuse.kernels.reference import FP8_MAX
 aten, prims = torch.ops.aten, torch.ops.prims
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
+#: Ops that change only how rows are grouped, looked through between the all-reduce, the add and the norm.
+VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default,
+         aten.squeeze.dim, aten.squeeze.default, getattr(aten.squeeze, "dims", aten.squeeze.dim))
 
 
 def _is(node: object, *targets) -> bool:
@@ -50,6 +59,33 @@ def static_int(size) -> int | None:
     if isinstance(size, torch.SymInt):
         return size.node.maybe_as_int()
     return None
+
+
+def size_expr(size):
+    """An int, or the sympy expression of a SymInt (after the shape environment's replacements)."""
+    as_int = static_int(size)
+    if as_int is not None:
+        return as_int
+    expr = size.node.expr
+    shape_env = getattr(size.node, "shape_env", None)
+    return shape_env.replace(expr) if shape_env is not None and hasattr(shape_env, "replace") else expr
+
+
+def token_count(shape) -> object:
+    """Tokens of an activation ``[..., hidden]``: the product of all dims but the last (int or sympy)."""
+    import sympy
+
+    product = sympy.Integer(1) if any(static_int(s) is None for s in shape[:-1]) else 1
+    for s in shape[:-1]:
+        product = product * size_expr(s)
+    if isinstance(product, int):
+        return product
+    product = sympy.expand(product)
+    return int(product) if product.is_number else product
+
+
+def _numel(shape):
+    return token_count(tuple(shape) + (1,))
 
 
 def _only_user(node: Node) -> Node | None:
@@ -77,6 +113,19 @@ def _other(node: Node, known: Node) -> object:
     return b if a is known else a
 
 
+def _row_views(node: Node, hidden: int) -> list[Node]:
+    """``node`` and the chain of views that follows it while each is the only user and rows stay rows."""
+    chain = [node]
+    while True:
+        view = _only_user(chain[-1])
+        if not (_is(view, *VIEWS) and view.args[0] is chain[-1] and _val(view) is not None):
+            return chain
+        shape = _val(view).shape
+        if len(shape) < 1 or static_int(shape[-1]) != hidden or _numel(shape) != _numel(_val(node).shape):
+            return chain
+        chain.append(view)
+
+
 @dataclass
 class Match:
     """What a pattern found: the op's inputs, the nodes it replaces, and the nodes that go away."""
@@ -85,13 +134,21 @@ class Match:
     x: Node
     group_name: str
     reduce_op: str
-    h: Node  # the residual-stream value (the add, or the all-reduce result without residual)
+    h: Node  # the residual-stream value: the add, or without residual what the norm reads
     out: Node  # the norm's (or the quantisation's) output
     weight: Node
     eps: float
+    hidden: int
     residual: Node | None = None
     scale: Node | None = None
     internal: list[Node] = field(default_factory=list)  # may only be used inside the match
+    aliases: list[Node] = field(default_factory=list)  # views of the sum before h: may have other users
+    problem: str | None = None  # the structure matched but cannot be fused (why)
+
+    @property
+    def tokens(self):
+        """The site's token count: an int, or a sympy expression of the graph's size symbols."""
+        return token_count(_val(self.h).shape)
 
 
 def match_rmsnorm(h: Node) -> tuple[Node, Node, float, list[Node]] | None:
@@ -160,6 +217,19 @@ def match_static_fp8(y: Node) -> tuple[Node, Node, list[Node]] | None:
     return out, div.args[1], ([start] if start is not y else []) + nodes
 
 
+def _residual_problem(residual: object, add: Node, x: torch.Tensor, hidden: int) -> str | None:
+    """Why the other operand of the add is not a residual the op can take (None when it is)."""
+    if not isinstance(residual, Node) or _val(residual) is None or not isinstance(_val(residual), torch.Tensor):
+        return "the value added to the all-reduce result is not a tensor"
+    r = _val(residual)
+    if r.dtype != x.dtype:
+        return f"the residual's dtype {r.dtype} differs from the all-reduce's {x.dtype}"
+    if r.dim() < 1 or static_int(r.shape[-1]) != hidden or _numel(r.shape) != _numel(_val(add).shape):
+        return (f"the add broadcasts a {tuple(r.shape)} tensor (a bias?) over the {tuple(_val(add).shape)} "
+                "sum: not a residual of the same size")
+    return None
+
+
 class FusionPattern:
     """Base of the pattern classes; subclasses set ``residual`` and ``quant``."""
 
@@ -171,20 +241,27 @@ class FusionPattern:
         if not _is(all_reduce, ALL_REDUCE):
             return None
         wait = _only_user(all_reduce)
-        if not _is(wait, WAIT):
+        if not _is(wait, WAIT) or not isinstance(_val(wait), torch.Tensor) or _val(wait).dim() < 1:
             return None
         x, reduce_op, group_name = all_reduce.args[:3]
-        h, residual, internal = wait, None, [all_reduce, wait]
+        hidden = static_int(_val(wait).shape[-1])
+        if hidden is None:
+            return None
+        chain = _row_views(wait, hidden)
+        internal, aliases, residual, problem = [all_reduce], [], None, None
         if cls.residual:
-            add = _only_user(wait)  # the pre-add sum has no other user: the op cannot provide it
+            add = _only_user(chain[-1])  # the pre-add sum has no other user: the op cannot provide it
             if not _is(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1:
                 return None
-            residual = _other(add, wait)
-            if (not isinstance(residual, Node) or _val(residual) is None
-                    or _val(residual).shape != _val(wait).shape):
-                return None
+            residual = _other(add, chain[-1])
+            problem = _residual_problem(residual, add, _val(x), hidden)
+            internal += chain
             h = add
-        norm = match_rmsnorm(h)
+            norm_input = _row_views(add, hidden)[-1]
+        else:
+            h = norm_input = chain[-1]
+            aliases = chain[:-1]
+        norm = match_rmsnorm(norm_input)
         if norm is None:
             return None
         out, weight, eps, norm_nodes = norm
@@ -196,26 +273,30 @@ class FusionPattern:
             q_out, scale, quant_nodes = quant
             norm_nodes = norm_nodes + [out] + quant_nodes
             out = q_out
-        return Match(all_reduce, x, group_name, reduce_op, h, out, weight, eps, residual, scale,
-                     internal + norm_nodes)
+        return Match(all_reduce, x, group_name, reduce_op, h, out, weight, eps, hidden, residual, scale,
+                     internal + norm_nodes, aliases, problem)
 
     @classmethod
-    def extra_check(cls, m: Match, max_tokens: int | None) -> str | None:
-        """Why ``m`` must stay unfused (a reason logged once), or None to fuse it."""
+    def extra_check(cls, m: Match, token_bound) -> str | None:
+        """Why ``m`` must stay unfused (a reason for the log), or None to fuse it.
+
+        ``token_bound(tokens)`` gives the largest token count the graph runs this site with (or None
+        when unknown); ``tokens`` is an int or a sympy expression of the graph's size symbols.
+        """
+        if m.problem is not None:
+            return m.problem
         x = _val(m.x)
         if m.reduce_op != "sum":
             return f"all-reduce op is {m.reduce_op!r}, not 'sum'"
         if x.dtype not in select.KERNEL_DTYPES:
             return f"dtype {x.dtype} is not supported by the kernels"
-        if x.dim() != 2:
-            return "the all-reduce input is not 2-D [tokens, hidden]"
-        hidden = static_int(x.shape[-1])
-        if hidden is None:
-            return "hidden size is dynamic"
-        if not select.kernel_supports(hidden, x.dtype):
-            return f"hidden size {hidden} is not supported (a multiple of 8 up to {select.MAX_KERNEL_HIDDEN})"
-        w = _val(m.weight)
-        if w is None or tuple(w.shape) != (hidden,) or w.dtype not in (x.dtype, torch.float32):
+        if _numel(x.shape) != _numel(_val(m.h).shape):
+            return f"the all-reduced {tuple(x.shape)} is broadcast by the add to {tuple(_val(m.h).shape)}"
+        if not select.kernel_supports(m.hidden, x.dtype):
+            return (f"hidden size {m.hidden} is not supported (a multiple of 8 up to "
+                    f"{select.MAX_KERNEL_HIDDEN})")
+        w = _val(m.weight) if isinstance(m.weight, Node) else None
+        if w is None or tuple(w.shape) != (m.hidden,) or w.dtype not in (x.dtype, torch.float32):
             return "the norm weight is not a [hidden] tensor of the input's dtype or float32"
         if m.scale is not None and (_val(m.scale) is None or _val(m.scale).dtype != torch.float32
                                     or _val(m.scale).numel() != 1):
@@ -224,40 +305,71 @@ class FusionPattern:
             return "the norm's result dtype differs from the input's (e.g. an fp32 weight multiplied last)"
         allowed = set(m.internal) | {m.out, m.h}
         for node in m.internal:
-            if node is not m.h and any(u not in allowed for u in node.users):
-                return "an intermediate value of the pattern has users outside it"
+            if any(u not in allowed for u in node.users):
+                what = "the pre-add sum" if node.target in (WAIT,) + VIEWS else "an intermediate value"
+                return f"{what} of the pattern has users outside it"
+        for node in [m.out, m.h] + m.aliases:
+            if any(static_int(s) is None and _size_source(m.all_reduce.graph, s, m) is None
+                   for s in _val(node).shape):
+                return f"no input of the graph carries the sizes of {tuple(_val(node).shape)}"
         comm = lookup_communicator(m.group_name)
-        if comm is None or comm.workspace is None:
-            return f"group {m.group_name!r} has no tpfuse communicator with a workspace"
-        limit = comm.max_token_num(hidden, x.dtype)
-        tokens = static_int(x.shape[0])
-        bound = tokens if tokens is not None else max_tokens
+        limit = comm.max_token_num(m.hidden, x.dtype) if comm is not None and not comm.destroyed else 0
+        if limit <= 0:
+            return (f"group {m.group_name!r} has no tpfuse communicator that can fuse {m.hidden} x {x.dtype} "
+                    "(call tpfuse.get_communicator before compiling)")
+        tokens = m.tokens
+        bound = tokens if isinstance(tokens, int) else token_bound(tokens)
         if bound is None:
-            return "the token range of this graph is unbounded (compile with tpfuse.compile)"
+            return f"the token count {tokens} of this graph is unbounded (compile with tpfuse.compile)"
         if bound > limit:
             return f"token range up to {bound} exceeds the fusion limit {limit}"
         return None
 
     @classmethod
     def replace(cls, graph: Graph, m: Match) -> None:
+        """Rewrite the site to the fused op; the caller re-sorts the graph (``stable_topological_sort``)."""
         from torch._guards import detect_fake_mode
 
+        hidden = m.hidden
+        vals = [_val(n) for n in graph.nodes if isinstance(_val(n), torch.Tensor)]
+        fake_mode = detect_fake_mode(vals)
+
+        def call(target, *args) -> Node:
+            node = graph.call_function(target, args)
+            if fake_mode is not None:  # Inductor lowers from these values
+                fake_args = [_val(a) if isinstance(a, Node) else
+                             [_val(s) if isinstance(s, Node) else s for s in a] if isinstance(a, list) else a
+                             for a in args]
+                with fake_mode:
+                    node.meta["val"] = target(*fake_args)
+            return node
+
+        def shape_args(shape) -> list:
+            args = []
+            for size in shape:
+                if static_int(size) is not None:
+                    args.append(static_int(size))
+                    continue
+                node, dim = _size_source(graph, size, m)
+                args.append(node if dim is None else call(aten.sym_size.int, node, dim))
+            return args
+
         op = torch.ops.tpfuse.allreduce_add_rmsnorm.default
-        args = (m.x, m.residual, m.weight, m.eps, m.group_name, m.scale)
         with graph.inserting_before(m.out):
-            fused = graph.call_function(op, args)
-            y = graph.call_function(operator.getitem, (fused, 0))
-            h = graph.call_function(operator.getitem, (fused, 1))
-        fake_args = [_val(a) if isinstance(a, Node) else a for a in args]
-        fake_mode = detect_fake_mode([a for a in fake_args if isinstance(a, torch.Tensor)])
-        if fake_mode is not None:  # Inductor lowers from these values
-            with fake_mode:
-                fused.meta["val"] = op(*fake_args)
-            y.meta["val"], h.meta["val"] = fused.meta["val"]
+            x2 = call(aten.reshape.default, m.x, [-1, hidden])
+            r2 = call(aten.reshape.default, m.residual, [-1, hidden]) if m.residual is not None else None
+            fused = call(op, x2, r2, m.weight, m.eps, m.group_name, m.scale)
+            y2, h2 = call(operator.getitem, fused, 0), call(operator.getitem, fused, 1)
+            y = call(aten.reshape.default, y2, shape_args(_val(m.out).shape))
+            h = call(aten.reshape.default, h2, shape_args(_val(m.h).shape))
+            for alias in m.aliases:  # views of the sum that others read: the same rows of h
+                if any(u not in m.aliases and u is not m.h for u in alias.users):
+                    alias.replace_all_uses_with(call(aten.reshape.default, h2, shape_args(_val(alias).shape)))
         m.out.replace_all_uses_with(y)
         m.h.replace_all_uses_with(h)
         order = {node: i for i, node in enumerate(graph.nodes)}
-        for node in sorted(set(m.internal) | {m.h, m.out}, key=order.__getitem__, reverse=True):
+        gone = set(m.internal) | set(m.aliases) | {m.h, m.out}
+        for node in sorted(gone, key=order.__getitem__, reverse=True):
             if not node.users:
                 graph.erase_node(node)
 
@@ -278,8 +390,24 @@ class FusionPattern:
         return y, h
 
 
+def _size_source(graph: Graph, size: torch.SymInt, m: Match) -> tuple[Node, int | None] | None:
+    """Where a kept node holds the symbolic ``size``: (a SymInt input, None) or (a tensor, its dim)."""
+    expr = size_expr(size)
+    donors = [m.x] + ([m.residual] if m.residual is not None else [])
+    donors += [n for n in graph.nodes if n.op == "placeholder"]
+    for node in donors:
+        val = _val(node)
+        if isinstance(val, torch.SymInt) and size_expr(val) == expr:
+            return node, None
+        if isinstance(val, torch.Tensor):
+            for dim, s in enumerate(val.shape):
+                if static_int(s) is None and size_expr(s) == expr:
+                    return node, dim
+    return None
+
+
 class AllReduceRMSNorm(FusionPattern):
-    """all-reduce -> RMSNorm."""
+    """all-reduce -> RMSNorm (the sum may have other users: the op returns it as ``h``)."""
 
 
 class AllReduceAddRMSNorm(FusionPattern):
@@ -303,3 +431,21 @@ class AllReduceAddRMSNormQuant(FusionPattern):
 
 # Longest first: a site that continues into a residual add or a quantisation takes the larger pattern.
 PATTERNS = [AllReduceAddRMSNormQuant, AllReduceAddRMSNorm, AllReduceRMSNormQuant, AllReduceRMSNorm]
+
+
+def unmatched_reason(all_reduce: Node) -> str:
+    """Why no pattern starts at ``all_reduce`` (the first thing the site lacks)."""
+    wait = _only_user(all_reduce)
+    if not _is(wait, WAIT):
+        return "the all-reduce's result is not waited on directly"
+    hidden = static_int(_val(wait).shape[-1]) if _val(wait) is not None and _val(wait).dim() else None
+    if hidden is None:
+        return "the hidden size (last dimension) is dynamic"
+    end = _row_views(wait, hidden)[-1]
+    if any(u.op == "output" for u in end.users):
+        return ("the all-reduce's result leaves the compiled graph before its add and norm (a graph break "
+                "between them? torch._dynamo.explain(model)(...) lists the breaks)")
+    users = [u.target for u in end.users]
+    return ("no RMSNorm (or residual add then RMSNorm) follows the all-reduce; its result goes to "
+            f"{', '.join(str(getattr(t, '__name__', t)) for t in users) or 'nothing'} (if the model has "
+            "a norm here: is eps a graph input? tpfuse.compile traces with specialize_float=True)")

@@ -1,0 +1,314 @@
+"""The ``torch.compile`` backend: a fused graph for token counts the fusion serves, a plain one above.
+
+Dynamo hands the backend its graph before AOTAutograd has lowered DTensor redistributions to
+collectives, so the backend reads all-reduce sites from both forms dynamo records: functional
+collectives (``funcol.all_reduce``, ``dist.all_reduce`` rewritten by dynamo) and DTensor
+redistributions from ``Partial`` to ``Replicate`` (``parallelize_module``'s ``RowwiseParallel``).
+Each eligible site gives a token count (the product of all dims but the last, often a product of
+symbols such as ``batch * seq``) and a limit (:func:`tpfuse.select.max_token_num`); the fused graph
+runs when every such count is within its limit, the plain graph otherwise.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from tpfuse import select
+from tpfuse.comm.communicator import lookup_communicator
+from tpfuse.compile.fusion_pass import FusionPass, SiteReport, report_graph, summarize
+from tpfuse.compile.patterns import size_expr, static_int, token_count
+
+log = logging.getLogger("tpfuse.compile")
+_FUNCOL_ALL_REDUCE = (torch.ops._c10d_functional.all_reduce, torch.ops._c10d_functional.all_reduce.default)
+
+
+@dataclass
+class GraphPlan:
+    """What the backend decided for one dynamo graph."""
+
+    sites: list[SiteReport] = field(default_factory=list)  # every all-reduce, with why it cannot fuse
+    bounds: dict[str, tuple[object, int]] = field(default_factory=dict)  # token expression -> limit
+    static_fusable: int = 0  # eligible sites whose token count is a constant within the limit
+
+    @property
+    def fusable(self) -> bool:
+        return bool(self.bounds) or self.static_fusable > 0
+
+
+def _is_dtensor(value) -> bool:
+    return type(value).__name__ == "DTensor" and hasattr(value, "placements")
+
+
+def _dtensor_all_reduce(node: torch.fx.Node):
+    """(group name, reduce op, local value) when ``node`` turns a Partial DTensor into a Replicate one."""
+    out = node.meta.get("example_value")
+    if not _is_dtensor(out):
+        return None
+    for arg in node.all_input_nodes:
+        value = arg.meta.get("example_value")
+        if not _is_dtensor(value) or value.device_mesh != out.device_mesh:
+            continue
+        for dim, (before, after) in enumerate(zip(value.placements, out.placements)):
+            if before.is_partial() and after.is_replicate():
+                local = getattr(out, "_local_tensor", out)
+                return out.device_mesh.get_group(dim).group_name, str(before.reduce_op), local
+    return None
+
+
+def dynamo_all_reduces(gm: torch.fx.GraphModule) -> list[tuple[str, str, torch.Tensor]]:
+    """(group name, reduce op, value) of every all-reduce in a dynamo graph, in graph order."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _FUNCOL_ALL_REDUCE:
+            value, reduce_op, group_name = node.meta.get("example_value"), node.args[1], node.args[2]
+            if isinstance(value, torch.Tensor) and isinstance(group_name, str):
+                found.append((group_name, str(reduce_op), value))
+        elif node.op in ("call_function", "call_method"):
+            site = _dtensor_all_reduce(node)
+            if site is not None:
+                found.append(site)
+    return found
+
+
+def plan_graph(gm: torch.fx.GraphModule) -> GraphPlan:
+    """Which all-reduces of a dynamo graph could fuse, and the token bounds that make them fuse."""
+    plan = GraphPlan()
+    for group_name, reduce_op, value in dynamo_all_reduces(gm):
+        shape = tuple(static_int(s) if static_int(s) is not None else str(size_expr(s)) for s in value.shape)
+
+        def unfused(reason: str) -> None:
+            plan.sites.append(SiteReport(shape, value.dtype, group_name, False, None, reason))
+
+        hidden = static_int(value.shape[-1]) if value.dim() >= 1 else None
+        comm = lookup_communicator(group_name)
+        if reduce_op != "sum":
+            unfused(f"all-reduce op is {reduce_op!r}, not 'sum'")
+        elif value.dim() < 2 or hidden is None:
+            unfused("the all-reduced tensor is not [..., hidden] with a static hidden size")
+        elif not select.kernel_supports(hidden, value.dtype):
+            unfused(f"{hidden} x {value.dtype} is not supported by the kernels")
+        elif comm is None or comm.destroyed or comm.max_token_num(hidden, value.dtype) <= 0:
+            unfused(f"group {group_name!r} has no tpfuse communicator that can fuse it "
+                    "(call tpfuse.get_communicator before compiling)")
+        else:
+            limit, tokens = comm.max_token_num(hidden, value.dtype), token_count(value.shape)
+            if isinstance(tokens, int):
+                if tokens <= limit:
+                    plan.static_fusable += 1
+                else:
+                    unfused(f"{tokens} tokens exceed the fusion limit {limit}")
+            else:
+                key = str(tokens)
+                plan.bounds[key] = (tokens, min(limit, plan.bounds.get(key, (None, limit))[1]))
+    return plan
+
+
+def _token_reader(gm: torch.fx.GraphModule, expr):
+    """A function of the compiled graph's runtime arguments that evaluates a token expression.
+
+    The count may be a product of symbols (batch x sequence): every symbol is read from the input
+    that carries it, then the expression is evaluated.
+    """
+    import sympy
+
+    readers = {}
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt) and value.node.expr.is_Symbol:
+            readers.setdefault(value.node.expr, lambda args, i=i: int(args[i]))
+        elif isinstance(value, torch.Tensor):
+            for d, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                    readers.setdefault(size.node.expr, lambda args, i=i, d=d: args[i].shape[d])
+    symbols = sorted(expr.free_symbols, key=str)
+    if any(sym not in readers for sym in symbols):
+        raise RuntimeError(f"tpfuse: cannot find the token count {expr} among the graph's inputs")
+    if expr.is_Symbol:
+        return readers[expr]
+    evaluate = sympy.lambdify(symbols, expr, "math")
+    return lambda args: int(evaluate(*(readers[sym](args) for sym in symbols)))
+
+
+class TpfuseBackend:
+    """A ``torch.compile`` backend: Inductor with the fusion pass below the fusion limit, without above.
+
+    Parameters
+    ----------
+    inductor_options : dict, optional
+        Inductor settings for every graph, as a ``torch.compile`` mode sets them
+        (:func:`inductor_options_for_mode`); ``{"triton.cudagraphs": True}`` captures CUDA graphs.
+
+    Attributes
+    ----------
+    compiles : collections.Counter
+        Inductor compilations made, by range: ``"fused"`` and ``"plain"``.
+    passes : list of FusionPass
+        The pass of every fused compilation (its ``reports`` say what it fused).
+    unfusable : list of list of SiteReport
+        Per graph compiled without the pass because none of its all-reduces could fuse, the reasons.
+    """
+
+    def __init__(self, inductor_options: dict | None = None):
+        self.inductor_options = dict(inductor_options or {})
+        self.compiles: collections.Counter[str] = collections.Counter()
+        self.passes: list[FusionPass] = []
+        self.unfusable: list[list[SiteReport]] = []
+
+    @property
+    def reports(self) -> list[list[SiteReport]]:
+        """Every all-reduce site of every compiled graph, fused or not and why (pass runs first)."""
+        return [graph for p in self.passes for graph in p.reports] + self.unfusable
+
+    def _compile(self, gm, example_inputs, fusion_pass: FusionPass | None):
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = dict(self.inductor_options)
+        if fusion_pass is not None:
+            patches["post_grad_custom_post_pass"] = fusion_pass
+            self.passes.append(fusion_pass)
+        self.compiles["fused" if fusion_pass is not None else "plain"] += 1
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        plan = plan_graph(gm)
+        if not plan.fusable:
+            if plan.sites:  # never silent: a graph with all-reduces and nothing to fuse says why
+                self.unfusable.append(plan.sites)
+                report_graph(plan.sites, "compiled without the fusion")
+            return self._compile(gm, example_inputs, None)
+        bounds = {key: limit for key, (_, limit) in plan.bounds.items()}
+        if not bounds:  # static token counts only: one graph
+            return self._compile(gm, example_inputs, FusionPass(token_bounds={}))
+        checks = [(_token_reader(gm, expr), limit) for expr, limit in plan.bounds.values()]
+        fused = self._compile(gm, example_inputs, FusionPass(token_bounds=bounds))
+        plain = self._compile(gm, example_inputs, None)
+        log.info("tpfuse: graph split: the fused graph while %s, the plain graph above",
+                 " and ".join(f"{key} <= {limit}" for key, limit in bounds.items()))
+
+        def run(*args):
+            return fused(*args) if all(read(args) <= limit for read, limit in checks) else plain(*args)
+
+        return run
+
+
+class CompiledModel(torch.nn.Module):
+    """What :func:`compile` returns for a module: the compiled module, traced with floats specialised.
+
+    Dynamo turns float attributes such as a norm's ``eps`` into graph inputs unless floats are
+    specialised; the fused op needs eps as a constant, so calls trace with ``specialize_float=True``.
+
+    Calls without grad also hide the model's module-level backward hooks: dynamo breaks the graph at
+    every module that has one, which separates an all-reduce from its add and norm (Hugging Face's
+    tensor-parallel Qwen3 hooks its q/k norms to all-reduce their gradients), and without grad such a
+    hook can never run. They are back in place when the call returns.
+    """
+
+    def __init__(self, compiled: torch.nn.Module, backend: TpfuseBackend):
+        super().__init__()
+        self.compiled = compiled
+        self.tpfuse_backend = backend
+        model = getattr(compiled, "_orig_mod", compiled)
+        self._hooked = [m for m in model.modules() if m._backward_hooks or m._backward_pre_hooks]
+
+    def forward(self, *args, **kwargs):
+        with torch._dynamo.config.patch(specialize_float=True):
+            if not self._hooked or torch.is_grad_enabled():
+                return self.compiled(*args, **kwargs)
+            saved = [(m, m._backward_hooks, m._backward_pre_hooks) for m in self._hooked]
+            try:
+                for m in self._hooked:
+                    object.__setattr__(m, "_backward_hooks", collections.OrderedDict())
+                    object.__setattr__(m, "_backward_pre_hooks", collections.OrderedDict())
+                return self.compiled(*args, **kwargs)
+            finally:
+                for m, hooks, pre_hooks in saved:
+                    object.__setattr__(m, "_backward_hooks", hooks)
+                    object.__setattr__(m, "_backward_pre_hooks", pre_hooks)
+
+
+def inductor_options_for_mode(mode: str | None) -> dict:
+    """The Inductor settings a ``torch.compile`` mode stands for; ValueError for one the fusion cannot use."""
+    from torch._inductor import list_mode_options
+
+    modes = list_mode_options()
+    if mode is None:
+        return {}
+    if mode not in modes:
+        raise ValueError(f"tpfuse.compile: unknown mode {mode!r}; torch.compile's modes are "
+                         f"{', '.join(modes)}")
+    if not modes[mode].get("use_post_grad_passes", True):
+        raise ValueError(f"tpfuse.compile: mode {mode!r} turns off the graph passes the fusion runs in")
+    return dict(modes[mode])
+
+
+def compile(model: torch.nn.Module, *, mode: str | None = None, dynamic: bool = True, **torch_compile_kwargs):
+    """``torch.compile`` with tpfuse's fusion: one compiled graph per token range.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Any model whose tensor-parallel all-reduces are functional collectives, ``dist.all_reduce``
+        or DTensor redistributions (Hugging Face ``tp_plan="auto"``, ``parallelize_module``,
+        gpt-fast's hooks); activations ``[tokens, hidden]`` or ``[batch, seq, hidden]``.
+    mode : str, optional
+        A ``torch.compile`` mode with the same meaning: "reduce-overhead" captures CUDA graphs,
+        "max-autotune" also tunes the model's own kernels. Modes that turn off Inductor's graph
+        passes (where the fusion runs) are refused.
+    dynamic : bool
+        Token counts are dynamic by default so each range compiles once (dynamo still specialises a
+        size of 1 into a graph of its own).
+    **torch_compile_kwargs
+        Passed to ``torch.compile`` (``fullgraph``, ...).
+
+    Returns
+    -------
+    CompiledModel
+        Call it like the model; ``.tpfuse_backend`` holds the :class:`TpfuseBackend` (its
+        ``compiles`` and ``reports`` show what was compiled and fused).
+    """
+    backend = TpfuseBackend(inductor_options_for_mode(mode))
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic, **torch_compile_kwargs)
+    return CompiledModel(compiled, backend)
+
+
+@dataclass
+class Explanation:
+    """What :func:`explain` found: per compiled graph, every all-reduce site and what became of it."""
+
+    graphs: list[list[SiteReport]]
+
+    @property
+    def sites(self) -> list[SiteReport]:
+        return [site for graph in self.graphs for site in graph]
+
+    @property
+    def fused(self) -> int:
+        return sum(s.fused for s in self.sites)
+
+    def __str__(self) -> str:
+        lines = [f"tpfuse: {summarize(self.sites)} in {len(self.graphs)} graph(s)"]
+        for i, graph in enumerate(self.graphs):
+            lines += [f"  graph {i}: {site}" for site in graph]
+        return "\n".join(lines)
+
+
+def explain(model: torch.nn.Module, *example_args, mode: str | None = None, **example_kwargs) -> Explanation:
+    """Compile ``model`` with the fusion, run it once on the example inputs, and say what fused.
+
+    Collective like the model's forward: every rank calls it with its inputs (and has called
+    ``tpfuse.get_communicator`` first, as for :func:`compile`). Inductor's caches are bypassed so
+    the pass runs and reports every site. ``print(tpfuse.compile.explain(model, ids))`` lists each
+    all-reduce: its shape, dtype and group, the pattern that fused it, or the reason it stayed unfused.
+    """
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    compiled = compile(model, mode=mode)
+    with (torch.no_grad(), inductor_config.patch(fx_graph_cache=False),
+          functorch_config.patch(enable_autograd_cache=False)):
+        compiled(*example_args, **example_kwargs)
+    return Explanation(compiled.tpfuse_backend.reports)

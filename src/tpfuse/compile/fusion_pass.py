@@ -1,0 +1,137 @@
+"""The Inductor post-grad pass that swaps the fused op in, and the report of what it did per site."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import pathlib
+import uuid
+from dataclasses import dataclass
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from tpfuse import _stats
+from tpfuse.comm.communicator import fusion_signature
+from tpfuse.compile.patterns import ALL_REDUCE, PATTERNS, size_expr, static_int, unmatched_reason
+
+log = logging.getLogger("tpfuse.compile")
+# Inductor may run a copy of a pass (config patches are copied): copies share a tag and these records.
+_reports: collections.defaultdict[str, list[list[SiteReport]]] = collections.defaultdict(list)
+
+
+@dataclass(frozen=True)
+class SiteReport:
+    """One all-reduce of a compiled graph: whether it was fused, by which pattern, or why not."""
+
+    shape: tuple
+    dtype: torch.dtype
+    group_name: str
+    fused: bool
+    pattern: str | None = None
+    reason: str | None = None
+
+    def __str__(self) -> str:
+        shape = "x".join(str(s) for s in self.shape)
+        what = f"fused ({self.pattern})" if self.fused else f"not fused: {self.reason}"
+        return f"all-reduce [{shape}] {str(self.dtype).replace('torch.', '')} group {self.group_name!r}: {what}"
+
+
+def summarize(sites: list[SiteReport]) -> str:
+    """``fused N of M`` and, per distinct reason, how many sites stayed unfused for it."""
+    fused = sum(s.fused for s in sites)
+    reasons = collections.Counter(s.reason for s in sites if not s.fused)
+    detail = "; ".join(f"{n} x {reason}" for reason, n in reasons.items())
+    return f"fused {fused} of {len(sites)} all-reduce sites" + (f"; not fused: {detail}" if detail else "")
+
+
+def report_graph(sites: list[SiteReport], token_range: str) -> None:
+    """Log a compiled graph's sites: INFO when all fused, one WARNING when any stayed unfused."""
+    _stats.record("compile.fused_sites", sum(s.fused for s in sites))
+    _stats.record("compile.unfused_sites", sum(not s.fused for s in sites))
+    level = logging.INFO if all(s.fused for s in sites) else logging.WARNING
+    log.log(level, "tpfuse: %s in a graph (%s)", summarize(sites), token_range)
+
+
+def _describe(node: torch.fx.Node) -> tuple[tuple, torch.dtype, str]:
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    shape = tuple(str(size_expr(s)) if static_int(s) is None else static_int(s)
+                  for s in val.shape) if val is not None else ()
+    return shape, getattr(val, "dtype", None), str(node.args[2])
+
+
+class FusionPass(CustomGraphPass):
+    """Inductor post-grad pass that replaces every eligible site with the fused op.
+
+    Parameters
+    ----------
+    max_tokens : int, optional
+        Largest token count any site of the graph runs with. For a graph compiled for a known range
+        of sizes (vLLM's compile ranges, say); :func:`tpfuse.compile` passes ``token_bounds``.
+    token_bounds : dict, optional
+        ``{str(token expression): largest value}``: the bound of the sites whose token count is that
+        expression of the graph's size symbols (``"s0*s1"`` for ``[batch, seq, hidden]``), as the
+        backend guarantees by its dispatch.
+
+    Sites with a static token count need no bound. It looks communicators up in the registry and
+    never creates or destroys one.
+    """
+
+    _source_hash = hashlib.sha256(b"".join(
+        (pathlib.Path(__file__).parent / name).read_bytes() for name in ("fusion_pass.py", "patterns.py")
+    )).hexdigest()
+
+    def __init__(self, max_tokens: int | None = None, token_bounds: dict[str, int] | None = None):
+        self.max_tokens = max_tokens
+        self.token_bounds = dict(token_bounds or {})
+        self._tag = uuid.uuid4().hex
+
+    @property
+    def reports(self) -> list[list[SiteReport]]:
+        """Per graph this pass (or a copy of it) ran on, every all-reduce site and what became of it."""
+        return _reports[self._tag]
+
+    @property
+    def fused_sites(self) -> int:
+        """Sites this pass (or a copy of it) fused."""
+        return sum(s.fused for graph in self.reports for s in graph)
+
+    @property
+    def unfused_sites(self) -> int:
+        """All-reduce sites this pass (or a copy of it) saw and left alone."""
+        return sum(not s.fused for graph in self.reports for s in graph)
+
+    def _token_bound(self, tokens) -> int | None:
+        return self.token_bounds.get(str(tokens), self.max_tokens)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from torch._inductor.pattern_matcher import stable_topological_sort
+
+        sites = []
+        for node in [n for n in graph.nodes if n.op == "call_function" and n.target == ALL_REDUCE]:
+            shape, dtype, group_name = _describe(node)
+            for pattern in PATTERNS:
+                match = pattern.search(node)
+                if match is None:
+                    continue
+                reason = pattern.extra_check(match, self._token_bound)
+                if reason is None:
+                    pattern.replace(graph, match)
+                sites.append(SiteReport(shape, dtype, group_name, reason is None, pattern.__name__, reason))
+                break
+            else:
+                sites.append(SiteReport(shape, dtype, group_name, False, None, unmatched_reason(node)))
+        if any(s.fused for s in sites):
+            stable_topological_sort(graph)  # shapes the replacements read may be defined after the site
+        graph.lint()
+        self.reports.append(sites)
+        bounds = ", ".join(f"{k} <= {v}" for k, v in self.token_bounds.items()) or (
+            f"tokens <= {self.max_tokens}" if self.max_tokens else "static token counts")
+        report_graph(sites, bounds)
+
+    def uuid(self) -> str:
+        # Inductor's cache key: everything the pass's decisions depend on, stable across runs (the
+        # code, the bounds, and each group's communicator: backend, size and algorithm table).
+        key = f"{self._source_hash}|{self.max_tokens}|{sorted(self.token_bounds.items())}|{fusion_signature()}"
+        return "tpfuse-fusion-" + hashlib.sha256(key.encode()).hexdigest()[:24]

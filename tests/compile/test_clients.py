@@ -1,0 +1,268 @@
+"""Real clients compiled with tpfuse.compile fuse every site, unchanged (2 gloo ranks, tiny random models).
+
+- Hugging Face transformers: Llama, Qwen3 and Mistral loaded with ``from_pretrained(path, tp_plan="auto")``
+  from a config made here (saved to a temporary directory, nothing downloaded).
+- torch's ``parallelize_module`` (torchtitan's plain TP): DTensor Partial -> Replicate after wo / w2 and the
+  row-parallel embedding (whose sum feeds the first norm and the residual stream).
+- gpt-fast's ``tp.py`` style: forward hooks that all-reduce ``output[0]`` of attention (``[S, H]``, the
+  residual add broadcasts) and the whole MLP output (``[1, S, H]``).
+
+Activations are ``[batch, seq, hidden]``; token counts below the limit (16) run the fused kernel at every
+site, those above run none, and the logits match the uncompiled model's either way.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+import tpfuse
+
+LIMIT, HIDDEN = 16, 64
+# (batch, seq): 6 and 14 tokens fuse, 28 and 40 do not. Even batches: DTensor's sharding propagation
+# guards on batch % 2 and would recompile (for the plain torch.compile as well).
+BELOW, ABOVE = [(2, 3), (2, 7)], [(4, 7), (2, 20)]
+
+
+def _kernel_calls() -> int:
+    return sum(n for key, n in tpfuse.stats().items() if key.startswith("triton."))
+
+
+def _check_model(model, make_input, shapes):
+    """Run the model eager and compiled on each shape: (shape, relative difference, fused kernel calls)."""
+    tpfuse.get_communicator(max_tokens=LIMIT, hidden=HIDDEN)
+    compiled = tpfuse.compile(model)
+    runs = []
+    for batch, seq in shapes:
+        ids = make_input(batch, seq)
+        with torch.no_grad():
+            expected = model(ids)
+            tpfuse.reset_stats()
+            got = compiled(ids)
+        expected, got = (getattr(t, "logits", t).float() for t in (expected, got))
+        assert got.shape == expected.shape
+        difference = ((got - expected).abs().max() / expected.abs().max()).item()
+        runs.append(((batch, seq), difference, _kernel_calls()))
+    reports = compiled.tpfuse_backend.reports
+    return runs, dict(compiled.tpfuse_backend.compiles), [[str(s) for s in graph] for graph in reports]
+
+
+def _token_ids(batch, seq, vocab=256):
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(batch * 1000 + seq))
+
+
+def _assert_fused(results, sites):
+    for runs, compiles, reports in results:
+        assert compiles == {"fused": 1, "plain": 1}, compiles  # one graph per range, batch and seq dynamic
+        assert len(reports) == 1 and len(reports[0]) == sites, reports
+        assert all(": fused (" in line for line in reports[0]), reports
+        for (batch, seq), diff, calls in runs:
+            assert calls == (sites if batch * seq <= LIMIT else 0), (batch, seq, calls)
+            assert diff < 2e-2, (batch, seq, diff)  # of the largest logit; bf16 models
+
+
+# --- Hugging Face transformers, tp_plan="auto" -------------------------------------------------------
+
+def _save_hf_model(rank, world_size, arch, path):
+    import transformers
+
+    if rank == 0:
+        config = getattr(transformers, f"{arch}Config")(
+            hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=128)
+        torch.manual_seed(0)
+        getattr(transformers, f"{arch}ForCausalLM")(config).to(torch.bfloat16).save_pretrained(path)
+    dist.barrier()
+
+
+def _hf_model(rank, world_size, path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.bfloat16)
+    return _check_model(model, _token_ids, BELOW + ABOVE)
+
+
+@pytest.mark.parametrize("arch", ["Llama", "Qwen3", "Mistral"])
+def test_hugging_face_tp_plan_auto(rank_pool, tmp_path, arch):
+    pool = rank_pool(2)
+    pool.run(_save_hf_model, arch, str(tmp_path))
+    # Two layers: the attention and MLP all-reduces of each, the last one into the final norm.
+    _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900), sites=4)
+
+
+# --- torch parallelize_module (torchtitan's plain tensor parallelism) ----------------------------------
+
+class TitanAttention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class TitanFeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim, eps=1e-5), nn.RMSNorm(dim, eps=1e-5)
+        self.attention, self.feed_forward = TitanAttention(dim, heads), TitanFeedForward(dim, 2 * dim)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TitanModel(nn.Module):
+    """torchtitan's Llama layout, small."""
+
+    def __init__(self, dim=HIDDEN, layers=2, heads=4, vocab=256):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(TitanBlock(dim, heads) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim, eps=1e-5)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def _parallelized_model(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = TitanModel().to(torch.bfloat16)
+    for name, p in model.named_parameters():  # norm weights away from 1, so a wrong weight would show
+        if "norm" in name:
+            nn.init.normal_(p, 1.0, 0.1)
+    parallelize_module(model, mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    })
+    for block in model.layers:
+        parallelize_module(block, mesh, {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        })
+    return _check_model(model, _token_ids, BELOW + ABOVE)
+
+
+def test_parallelize_module_dtensor(rank_pool):
+    # The embedding's all-reduce (two users: the first norm and the residual) and two per layer.
+    _assert_fused(rank_pool(2).run(_parallelized_model, timeout=900), sites=5)
+
+
+# --- gpt-fast's tp.py: forward hooks -------------------------------------------------------------------
+
+class GptFastNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class GptFastAttention(nn.Module):
+    """Returns (output, attention probabilities) like some attention modules do: the hook reduces output[0]."""
+
+    def __init__(self, dim, local_heads, head_dim):
+        super().__init__()
+        self.local_heads, self.head_dim = local_heads, head_dim
+        self.wqkv = nn.Linear(dim, 3 * local_heads * head_dim, bias=False)  # column shard
+        self.wo = nn.Linear(local_heads * head_dim, dim, bias=False)  # row shard
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        q, k, v = self.wqkv(x).view(batch, seq, 3 * self.local_heads, self.head_dim).transpose(1, 2).chunk(3, 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, seq, -1)
+        return self.wo(out)
+
+
+class GptFastBlock(nn.Module):
+    def __init__(self, dim, local_heads, head_dim, local_hidden):
+        super().__init__()
+        self.attention = GptFastAttention(dim, local_heads, head_dim)
+        self.w1, self.w3 = nn.Linear(dim, local_hidden, bias=False), nn.Linear(dim, local_hidden, bias=False)
+        self.w2 = nn.Linear(local_hidden, dim, bias=False)
+        self.attention_norm, self.ffn_norm = GptFastNorm(dim), GptFastNorm(dim)
+
+    def feed_forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class GptFastModel(nn.Module):
+    def __init__(self, world_size, dim=HIDDEN, layers=2, heads=4, vocab=256):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(GptFastBlock(dim, heads // world_size, dim // heads, 2 * dim // world_size)
+                                    for _ in range(layers))
+        self.norm = GptFastNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def _apply_gpt_fast_hooks(model: GptFastModel) -> None:
+    """As gpt-fast's apply_tp: the row-parallel outputs are summed by forward hooks."""
+    group = dist.group.WORLD
+    for block in model.layers:
+        # The attention output is [1, S, H]; reducing output[0] gives [S, H] and the residual add broadcasts.
+        block.attention.register_forward_hook(lambda _m, _i, output: funcol.all_reduce(output[0], "sum", group))
+        block.register_forward_hook(lambda _m, _i, output: output)  # hooks elsewhere change nothing
+        original = block.feed_forward
+        block.feed_forward = lambda x, original=original: funcol.all_reduce(original(x), "sum", group)
+
+
+def _gpt_fast_model(rank, world_size):
+    torch.manual_seed(rank)  # each rank holds its own shards
+    model = GptFastModel(world_size).to(torch.bfloat16)
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():  # replicated weights equal on every rank, norms away from 1
+        if "norm" in name:
+            nn.init.normal_(p, 1.0, 0.1)
+        elif "tok_embeddings" in name or "output" in name:
+            nn.init.normal_(p, 0.0, 1.0 if "tok" in name else 0.1)
+    _apply_gpt_fast_hooks(model)
+    return _check_model(model, _token_ids, [(1, 5), (1, 12), (1, 23), (1, 40)])
+
+
+def test_gpt_fast_hooks(rank_pool):
+    for runs, compiles, reports in rank_pool(2).run(_gpt_fast_model, timeout=900):
+        assert compiles == {"fused": 1, "plain": 1}, compiles  # batch 1 is static, seq dynamic
+        assert len(reports) == 1 and len(reports[0]) == 4 and all(": fused (" in s for s in reports[0]), reports
+        for (_, seq), diff, calls in runs:
+            assert calls == (4 if seq <= LIMIT else 0), (seq, calls)
+            assert diff < 2e-2, (seq, diff)
