@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         help="kernel: tpfuse, tpfuse:oneshot, tpfuse:twoshot, tpfuse:<variant>, nccl, symm_mem, "
         "flashinfer (default tpfuse,nccl,symm_mem,flashinfer); e2e: unfused, tpfuse, flashinfer",
     )
+    bench.add_argument("--client", default="tpfuse", choices=["tpfuse", "hf"],
+                       help="e2e: our TP Llama, or Hugging Face's LlamaForCausalLM under tp_plan='auto'")
     bench.add_argument("--preset", default="llama-3-8b", help="e2e: model preset")
     bench.add_argument("--layers", type=int, default=None, help="e2e: layers (default: the preset's)")
     bench.add_argument("--batches", default="1,8,32,64", help="e2e: decode batch sizes")
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
         providers = args.providers.split(",") if args.providers else list(PROVIDERS)
         return run_e2e_bench(args.preset, args.layers, _ints(args.batches), args.prefill, providers, args.out,
-                             args.mode)
+                             args.mode, args.client)
     from tpfuse.bench.kernel import run_kernel_bench
 
     providers = args.providers or "tpfuse,nccl,symm_mem,flashinfer"

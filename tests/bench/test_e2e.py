@@ -26,3 +26,27 @@ def test_e2e_bench_runs_fuses_and_matches(rank_pool):
         assert row["tpfuse_logit_diff"] < 0.05 and row["tpfuse_argmax_agree"] >= 0.5
         assert "flashinfer_ms" not in row  # not importable on the CPU: skipped, not failed
         assert row["unfused_ms"] > 0 and row["tpfuse_ms"] > 0
+
+
+def _tiny_hf_e2e(rank, world_size, path):
+    import torch
+    import torch.distributed as dist
+
+    from tpfuse.bench.e2e import hf_e2e_rank, save_hf_llama
+
+    tiny = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                max_position_embeddings=64)
+    if rank == 0:
+        save_hf_llama(path, 2, torch.device("cpu"), tiny)
+    dist.barrier()
+    return hf_e2e_rank(rank, world_size, path, [2], 6, ["unfused", "tpfuse"], device=torch.device("cpu"), iters=1,
+                       mode=None)
+
+
+def test_hf_e2e_bench_runs_fuses_and_matches(rank_pool, tmp_path):
+    rows = rank_pool(2).run(_tiny_hf_e2e, str(tmp_path / "hf"), timeout=900)[0]
+    assert [r["workload"] for r in rows] == ["decode b2", "prefill 6"]
+    for row in rows:
+        assert row["unfused_fused_calls"] == 0
+        assert row["tpfuse_fused_calls"] == 4  # 2 layers, 2 sites each
+        assert row["tpfuse_logit_diff"] < 0.05 and row["tpfuse_argmax_agree"] == 1.0

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -56,7 +58,7 @@ def _ms_per_call(fn, device: torch.device, iters: int = 20, repeats: int = 5) ->
     return t.item()
 
 
-def _compiled(provider: str, model, prefill: int, mode: str):
+def _compiled(provider: str, model, max_tokens: int, hidden: int, mode: str):
     import tpfuse
 
     torch._dynamo.reset()
@@ -64,79 +66,46 @@ def _compiled(provider: str, model, prefill: int, mode: str):
     if provider == "unfused":
         return torch.compile(model, mode=mode, dynamic=True)
     backend = "triton" if provider == "tpfuse" else "flashinfer"
-    tpfuse.get_communicator(max_tokens=prefill, hidden=model.args.dim, backend=backend)
+    tpfuse.get_communicator(max_tokens=max_tokens, hidden=hidden, backend=backend)
     return tpfuse.compile(model, mode=mode)
 
 
-def _fill_caches(model, device: torch.device) -> None:
-    """The same cache contents before every workload of every provider, so their logits compare."""
-    gen = torch.Generator(device).manual_seed(1)
-    for layer in model.layers:
-        for cache in (layer.attention.k_cache, layer.attention.v_cache):
-            cache.copy_(torch.randn(cache.shape, generator=gen, device=device, dtype=cache.dtype))
+@dataclass
+class Workload:
+    """One timed call: ``step(compiled_model)`` returns the logits; ``reset()`` restores the KV cache."""
+
+    name: str
+    tokens: int
+    step: Callable
+    reset: Callable
 
 
-def e2e_rank(
-    rank: int,
-    world_size: int,
-    preset: str,
-    layers: int | None,
-    batches: list[int],
-    prefill: int,
-    providers: list[str],
-    device: torch.device | None = None,
-    iters: int = 20,
-    mode: str = "reduce-overhead",
-) -> list[dict]:
-    """Time every provider on this rank (the process group is set up); the rows, the same on every rank.
-
-    ``device`` defaults to the current GPU; on the CPU (tests) the kernels run in Triton's interpreter.
-    """
+def time_providers(rank: int, model, hidden: int, max_tokens: int, workloads: list[Workload],
+                   providers: list[str], device: torch.device, iters: int, mode: str) -> list[dict]:
+    """Compile ``model`` per provider, run and time every workload; the rows, the same on every rank."""
     import tpfuse
-    from tpfuse.models import Transformer
 
-    device = device or torch.device("cuda", torch.cuda.current_device())
-    overrides = {"n_layers": layers} if layers else {}
-    model = Transformer.build(preset, device=device, **overrides)
-    model.setup_caches(max_batch=max(batches), max_seq=prefill + 1)
-    gen = torch.Generator().manual_seed(0)
-    workloads = [
-        (
-            f"decode b{b}",
-            b,
-            torch.randint(0, model.args.vocab_size, (b, 1), generator=gen).to(device),
-            torch.tensor([prefill], device=device),
-        )
-        for b in batches
-    ]
-    workloads.append(
-        (
-            f"prefill {prefill}",
-            1,
-            torch.randint(0, model.args.vocab_size, (1, prefill), generator=gen).to(device),
-            torch.arange(prefill, device=device),
-        )
-    )
-    rows = {name: {"workload": name, "tokens": tokens.numel()} for name, _, tokens, _ in workloads}
+    rows = {w.name: {"workload": w.name, "tokens": w.tokens} for w in workloads}
     reference = {}
     total, done = len(providers) * len(workloads), 0
     for provider in providers:
         try:
-            fn = _compiled(provider, model, prefill, mode)
+            fn = _compiled(provider, model, max_tokens, hidden, mode)
         except (ImportError, ValueError) as exc:  # FlashInfer missing, or no CUDA for it
             if rank == 0:
                 print(f"\n{provider}: {exc}; skipping it")
             done += len(workloads)
             continue
-        for name, _, tokens, pos in workloads:
+        for w in workloads:
+            name = w.name
             if rank == 0:
                 progress(done, total, f"e2e: {provider}, {name}")
             with torch.no_grad():
-                _fill_caches(model, device)
+                w.reset()
                 tpfuse.reset_stats()
-                logits = fn(tokens, pos).float().clone()
+                logits = w.step(fn).float().clone()
                 fused = sum(n for k, n in tpfuse.stats().items() if k.startswith(("triton.", "flashinfer.")))
-                rows[name][f"{provider}_ms"] = _ms_per_call(lambda: fn(tokens, pos), device, iters)
+                rows[name][f"{provider}_ms"] = _ms_per_call(lambda: w.step(fn), device, iters)
             rows[name][f"{provider}_fused_calls"] = fused
             if rank == 0:
                 print(
@@ -163,6 +132,128 @@ def e2e_rank(
             if f"{provider}_ms" in row and "unfused_ms" in row:
                 row[f"{provider}_speedup_%"] = 100 * (row["unfused_ms"] / row[f"{provider}_ms"] - 1)
     return out
+
+
+def _fill_caches(model, device: torch.device) -> None:
+    """The same cache contents before every workload of every provider, so their logits compare."""
+    gen = torch.Generator(device).manual_seed(1)
+    for layer in model.layers:
+        for cache in (layer.attention.k_cache, layer.attention.v_cache):
+            cache.copy_(torch.randn(cache.shape, generator=gen, device=device, dtype=cache.dtype))
+
+
+def e2e_rank(
+    rank: int,
+    world_size: int,
+    preset: str,
+    layers: int | None,
+    batches: list[int],
+    prefill: int,
+    providers: list[str],
+    device: torch.device | None = None,
+    iters: int = 20,
+    mode: str = "reduce-overhead",
+) -> list[dict]:
+    """Time every provider on our TP Llama (the process group is set up); the rows, the same on every rank.
+
+    ``device`` defaults to the current GPU; on the CPU (tests) the kernels run in Triton's interpreter.
+    """
+    from tpfuse.models import Transformer
+
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    overrides = {"n_layers": layers} if layers else {}
+    model = Transformer.build(preset, device=device, **overrides)
+    model.setup_caches(max_batch=max(batches), max_seq=prefill + 1)
+    gen = torch.Generator().manual_seed(0)
+
+    def workload(name: str, batch: int, seq: int, pos: torch.Tensor) -> Workload:
+        ids = torch.randint(0, model.args.vocab_size, (batch, seq), generator=gen).to(device)
+        return Workload(name, ids.numel(), lambda fn: fn(ids, pos), lambda: _fill_caches(model, device))
+
+    workloads = [workload(f"decode b{b}", b, 1, torch.tensor([prefill], device=device)) for b in batches]
+    workloads.append(workload(f"prefill {prefill}", 1, prefill, torch.arange(prefill, device=device)))
+    return time_providers(rank, model, model.args.dim, prefill, workloads, providers, device, iters, mode)
+
+
+#: Decode calls one workload of the HF client may make (warm-up and timed): positions its cache keeps free.
+DECODE_HEADROOM = 256
+#: llama-3-8b as a Hugging Face config (the layer count is the benchmark's).
+HF_LLAMA_3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                     vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0)
+
+
+def save_hf_llama(path: str, layers: int, device: torch.device, config: dict | None = None) -> None:
+    """Write a Hugging Face Llama with random weights made from ``config`` to ``path`` (once per path)."""
+    import pathlib
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (pathlib.Path(path) / "config.json").exists():
+        return
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**(config or HF_LLAMA_3_8B), num_hidden_layers=layers))
+    model.to(torch.bfloat16).save_pretrained(path)
+    del model
+
+
+def hf_e2e_rank(
+    rank: int,
+    world_size: int,
+    path: str,
+    batches: list[int],
+    prefill: int,
+    providers: list[str],
+    device: torch.device | None = None,
+    iters: int = 20,
+    mode: str = "reduce-overhead",
+) -> list[dict]:
+    """Time every provider on the Hugging Face Llama saved at ``path``, loaded with ``tp_plan="auto"``.
+
+    A decode step is HF's forward of one token per sequence at position ``prefill`` over a
+    :class:`transformers.StaticCache` of ``prefill + DECODE_HEADROOM`` positions (one cache per batch
+    size, contents reset before each workload). transformers 5.17's static cache writes each step at
+    its own running count, not at ``cache_position``, so every timed call writes one position further
+    on (masked out): the headroom holds them, and the reset puts the count back at ``prefill``. The
+    prefill is ``prefill`` tokens of one sequence without a cache: after a compiled decode step, a
+    compiled prefill into a second StaticCache indexes out of bounds (torch 2.13 and transformers 5.17
+    on the CPU, with plain ``torch.compile`` as well). Both keep the last position's logits only, as
+    ``generate`` does.
+    """
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.bfloat16)
+    config = model.config
+    gen = torch.Generator().manual_seed(0)
+
+    def decode(batch: int) -> Workload:
+        ids = torch.randint(0, config.vocab_size, (batch, 1), generator=gen).to(device)
+        positions = torch.tensor([prefill], device=device)
+        cache = StaticCache(config=config, max_cache_len=prefill + DECODE_HEADROOM)
+        with torch.no_grad():  # the cache's tensors are made on first use
+            model(input_ids=ids, past_key_values=cache, cache_position=positions, use_cache=True, logits_to_keep=1)
+
+        def reset() -> None:
+            fill = torch.Generator(device).manual_seed(1)
+            for layer in cache.layers:
+                for t in (layer.keys, layer.values):
+                    t.copy_(torch.randn(t.shape, generator=fill, device=device, dtype=t.dtype))
+                if hasattr(layer, "cumulative_length"):
+                    layer.cumulative_length.fill_(prefill)
+
+        def step(fn):
+            return fn(input_ids=ids, past_key_values=cache, cache_position=positions, use_cache=True,
+                      logits_to_keep=1).logits
+
+        return Workload(f"decode b{batch}", batch, step, reset)
+
+    prompt = torch.randint(0, config.vocab_size, (1, prefill), generator=gen).to(device)
+    workloads = [decode(b) for b in batches]
+    workloads.append(Workload(f"prefill {prefill}", prefill,
+                              lambda fn: fn(input_ids=prompt, use_cache=False, logits_to_keep=1).logits,
+                              lambda: None))
+    return time_providers(rank, model, config.hidden_size, prefill, workloads, providers, device, iters, mode)
 
 
 def write_outputs(rows: list[dict], title: str, out_dir: str) -> None:
@@ -202,30 +293,48 @@ def write_outputs(rows: list[dict], title: str, out_dir: str) -> None:
     fig.savefig(os.path.join(out_dir, "e2e.png"), dpi=110)
 
 
-def describe(preset: str, layers: int | None, world_size: int, mode: str = "reduce-overhead") -> str:
+def describe(client: str, preset: str, layers: int | None, world_size: int, mode: str = "reduce-overhead") -> str:
     from tpfuse.models.llama import PRESETS
 
     args = PRESETS[preset]
-    return (
-        f"{preset} ({layers or args.n_layers} layers, hidden {args.dim}, bf16), {world_size} x "
-        f"{torch.cuda.get_device_name()}, torch.compile mode {mode}, decode steps and prefill, ms per call"
-    )
+    model = f"{preset} ({layers or args.n_layers} layers, hidden {args.dim}, bf16)"
+    if client == "hf":
+        model = f"Hugging Face LlamaForCausalLM, tp_plan='auto', StaticCache, {model}"
+    return (f"{model}, {world_size} x {torch.cuda.get_device_name()}, torch.compile mode {mode}, "
+            "decode steps and prefill, ms per call")
 
 
 def run_e2e_bench(
     preset: str, layers: int | None, batches: list[int], prefill: int, providers: list[str], out_dir: str,
-    mode: str = "reduce-overhead",
+    mode: str = "reduce-overhead", client: str = "tpfuse",
 ) -> int:
-    """Entry point of ``python -m tpfuse bench e2e``; run it under torchrun, one process a GPU."""
+    """Entry point of ``python -m tpfuse bench e2e``; run it under torchrun, one process a GPU.
+
+    ``client="tpfuse"`` times our own TP Llama (:mod:`tpfuse.models`); ``client="hf"`` a Hugging Face
+    ``LlamaForCausalLM`` with ``preset``'s shapes (llama-3-8b only), saved once with random weights
+    to ``$TPFUSE_HF_CHECKPOINTS`` (default ``/tmp/tpfuse-hf``) and loaded with ``tp_plan="auto"``.
+    """
     from tpfuse.bench.kernel import finish_torchrun, init_torchrun
 
+    if client == "hf" and preset != "llama-3-8b":
+        raise ValueError("bench e2e --client hf: only the llama-3-8b preset has a Hugging Face config here")
     if not init_torchrun():
         return 2
     try:
-        rows = e2e_rank(dist.get_rank(), dist.get_world_size(), preset, layers, batches, prefill, providers,
-                        mode=mode)
-        if dist.get_rank() == 0:
-            write_outputs(rows, describe(preset, layers, dist.get_world_size(), mode), out_dir)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        if client == "hf":
+            from tpfuse.models.llama import PRESETS
+
+            layers = layers or PRESETS[preset].n_layers
+            path = os.path.join(os.environ.get("TPFUSE_HF_CHECKPOINTS", "/tmp/tpfuse-hf"), f"{preset}-{layers}")
+            if rank == 0:
+                save_hf_llama(path, layers, torch.device("cuda", torch.cuda.current_device()))
+            dist.barrier()
+            rows = hf_e2e_rank(rank, world_size, path, batches, prefill, providers, mode=mode)
+        else:
+            rows = e2e_rank(rank, world_size, preset, layers, batches, prefill, providers, mode=mode)
+        if rank == 0:
+            write_outputs(rows, describe(client, preset, layers, world_size, mode), out_dir)
     finally:
         finish_torchrun()
     return 0
