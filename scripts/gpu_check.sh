@@ -5,7 +5,7 @@
 # counts, 5 providers), `variants` 2 min, the end-to-end benchmark 3-5 min: a 10-minute device call
 # holds one part.
 # Usage (device tool, carry [".anchors"] for FlashInfer):
-#   bash scripts/gpu_check.sh [quick|tests|bench|variants|e2e|soak-start|soak-wait]
+#   bash scripts/gpu_check.sh [quick|tests|bench|variants|e2e|hf|soak-start|soak-wait]
 # Needs: 2+ GPUs, python3 with torch (>= 2.11) and triton; nothing is installed from a registry.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +30,18 @@ e2e() {
   grep -v -i warn "$OUT/e2e.log" | tail -9
 }
 if [ "$MODE" = e2e ]; then e2e; exit $status; fi
+# The Hugging Face client: LlamaForCausalLM with llama-3-8b shapes under tp_plan="auto" (random weights
+# saved once to /tmp/tpfuse-hf), plain torch.compile against tpfuse.compile, CUDA graphs.
+HF_LAYERS=${HF_LAYERS:-32}
+HF_PROVIDERS=${HF_PROVIDERS:-unfused,tpfuse,flashinfer}
+if [ "$MODE" = hf ]; then
+  echo "== end to end: Hugging Face Llama ($HF_LAYERS layers, llama-3-8b shapes), providers $HF_PROVIDERS =="
+  timeout "${HF_TIMEOUT:-540}" torchrun --nproc_per_node="$NGPU" -m tpfuse bench e2e --client hf \
+    --layers "$HF_LAYERS" --batches 1,32 --providers "$HF_PROVIDERS" --out "$OUT" > "$OUT/e2e-hf.log" 2>&1 || status=1
+  grep -E "tpfuse: (fused|graph split)|fused calls|ms,|Error|error" "$OUT/e2e-hf.log" | sort | uniq -c | tail -30
+  grep -v -i warn "$OUT/e2e-hf.log" | tail -7
+  exit $status
+fi
 
 # A soak longer than one device call: `soak-start` leaves it running in a process of its own (it
 # prints a progress line a minute into $SOAK_LOG) and returns; `soak-wait`, in a later call, waits for
