@@ -69,6 +69,68 @@ def test_pass_identity_is_stable_for_inductors_cache():
     from tpfuse.compile import FusionPass
 
     assert FusionPass(16).uuid() == FusionPass(16).uuid() != FusionPass(32).uuid()
+    assert FusionPass(token_bounds={"s0": 16}).uuid() != FusionPass(token_bounds={"s0*s1": 16}).uuid()
+
+
+def _pass_keys(rank, world_size):
+    """The pass's cache key under different communicators of the same group."""
+    from tpfuse.compile import FusionPass
+
+    keys = {}
+    for name, kwargs in [("triton-16", dict(max_tokens=16, hidden=64)), ("triton-16-again", dict(max_tokens=16,
+                         hidden=64)), ("triton-32", dict(max_tokens=32, hidden=64)), ("reference", dict(
+                         max_tokens=16, hidden=64, backend="reference")), ("none", None)]:
+        tpfuse.destroy_all()
+        if kwargs is not None:
+            tpfuse.get_communicator(**kwargs)
+        keys[name] = FusionPass(16).uuid()
+    tpfuse.destroy_all()
+    return keys
+
+
+def test_pass_cache_key_covers_the_communicators(rank_pool):
+    # Inductor reuses a compiled graph whose key matches: a key blind to the communicators would
+    # replay a graph fused for one backend or size under another.
+    keys = rank_pool(2).run(_pass_keys)[0]
+    assert keys["triton-16"] == keys["triton-16-again"]
+    assert len({keys[k] for k in ("triton-16", "triton-32", "reference", "none")}) == 4
+
+
+def _fused_on_a_fresh_cache(rank, world_size, backend, comm_backend):
+    """Compile the tiny TP Llama with Inductor's caches off: the pass must run and decide by itself."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    tpfuse.destroy_all()
+    device = rank_device(backend, rank)
+    tpfuse.get_communicator(max_tokens=16, hidden=64, backend=comm_backend)
+    model = Transformer.build("tiny", device=device)
+    compiled = tpfuse.compile(model)
+    ids = torch.randint(0, 256, (6,), generator=torch.Generator().manual_seed(6)).to(device)
+    with (torch.no_grad(), inductor_config.patch(fx_graph_cache=False),
+          functorch_config.patch(enable_autograd_cache=False)):
+        tpfuse.reset_stats()
+        compiled(ids)
+    calls = sum(n for k, n in tpfuse.stats().items() if k.startswith(("triton.", "flashinfer.")))
+    tpfuse.destroy_all()
+    return _sites_fused(compiled.tpfuse_backend)[0], calls
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("comm_backend", ["triton", "flashinfer", "reference"])
+def test_each_communicator_backend_fuses_on_an_empty_cache(rank_pool, backend, comm_backend):
+    if comm_backend == "flashinfer":
+        from tpfuse.comm.flashinfer import load_flashinfer
+
+        if backend != "nccl":
+            pytest.skip("FlashInfer runs on GPUs")
+        try:
+            load_flashinfer()
+        except ImportError as exc:
+            pytest.skip(str(exc))
+    expected = 0 if comm_backend == "reference" else 8  # 4 layers, 2 sites each
+    for fused, calls in rank_pool(2, backend).run(_fused_on_a_fresh_cache, backend, comm_backend, timeout=900):
+        assert (fused, calls) == (expected, expected)
 
 
 class Site(nn.Module):
@@ -104,7 +166,7 @@ class _Records(logging.Handler):
         self.messages = []
 
     def emit(self, record):
-        self.messages.append(record.getMessage())
+        self.messages.append(f"{record.levelname}: {record.getMessage()}")
 
 
 def _site(rank, world_size, kind, dtype):
@@ -135,11 +197,16 @@ def _site(rank, world_size, kind, dtype):
     ("no_residual", torch.bfloat16, 1, "fused 1 of 1"),
     ("fp8", torch.bfloat16, 1, "fused 1 of 1"),
     ("plain", torch.float16, 1, "fused 1 of 1"),
-    ("op_between", torch.bfloat16, 0, "no RMSNorm (or residual add then RMSNorm) follows"),
-    ("max_all_reduce", torch.bfloat16, 0, None),
-    ("plain", torch.float32, 0, None),  # dtype the kernels do not take
-    ("sum_used_elsewhere", torch.bfloat16, 0, "fused 0 of 1"),
-    ("fp32_weight", torch.bfloat16, 0, "fused 0 of 1"),  # the op has no pre-add sum; reason logged once
+    ("op_between", torch.bfloat16, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x no RMSNorm "
+                                      "(or residual add then RMSNorm) follows the all-reduce; its result goes to mul"),
+    ("max_all_reduce", torch.bfloat16, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x "
+                                          "all-reduce op is 'max'"),
+    ("plain", torch.float32, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x "
+                                "64 x torch.float32 is not supported"),  # dtype the kernels do not take
+    ("sum_used_elsewhere", torch.bfloat16, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x "
+                                              "the pre-add sum of the pattern has users outside it"),
+    ("fp32_weight", torch.bfloat16, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x the "
+                                       "norm's result dtype differs"),
 ])
 def test_sites_fuse_only_when_they_may_and_stay_right(rank_pool, kind, dtype, fused, logged):
     results = rank_pool(2).run(_site, kind, dtype)
@@ -211,3 +278,23 @@ def test_compile_modes_are_torch_compile_modes():
                 inductor_options_for_mode(mode)
     with pytest.raises(ValueError, match="unknown mode 'fastest'"):
         tpfuse.compile(torch.nn.Linear(2, 2), mode="fastest")
+
+
+def _explained(rank, world_size, kind):
+    torch._dynamo.reset()  # Site.forward was compiled by other tests of this pool: under the recompile limit
+    tpfuse.get_communicator(max_tokens=16, hidden=64)
+    torch.manual_seed(0)
+    module = Site(kind).bfloat16()
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(rank)).bfloat16()  # [batch, seq, hidden]
+    explanation = tpfuse.compile.explain(module, x, torch.randn(2, 3, 64).bfloat16())
+    return explanation.fused, len(explanation.sites), str(explanation)
+
+
+@pytest.mark.parametrize("kind,fused,says", [
+    ("plain", 1, "all-reduce [s"),  # the symbolic shape of the [batch, seq, hidden] site
+    ("op_between", 0, "not fused: no RMSNorm (or residual add then RMSNorm) follows the all-reduce"),
+])
+def test_explain_lists_every_site_and_why(rank_pool, kind, fused, says):
+    for n_fused, n_sites, text in rank_pool(2).run(_explained, kind):
+        assert (n_fused, n_sites) == (fused, 1), text
+        assert says in text and f"fused {fused} of 1 all-reduce sites" in text, text

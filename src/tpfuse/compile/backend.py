@@ -290,6 +290,9 @@ class Explanation:
         return sum(s.fused for s in self.sites)
 
     def __str__(self) -> str:
+        if not self.graphs:
+            return ("tpfuse: dynamo compiled no graph with an all-reduce (the model has none, it ran eagerly "
+                    "after torch._dynamo's recompile limit, or its graphs came from a cache)")
         lines = [f"tpfuse: {summarize(self.sites)} in {len(self.graphs)} graph(s)"]
         for i, graph in enumerate(self.graphs):
             lines += [f"  graph {i}: {site}" for site in graph]

@@ -250,9 +250,11 @@ class FusionPattern:
         chain = _row_views(wait, hidden)
         internal, aliases, residual, problem = [all_reduce], [], None, None
         if cls.residual:
-            add = _only_user(chain[-1])  # the pre-add sum has no other user: the op cannot provide it
-            if not _is(add, aten.add.Tensor) or add.kwargs.get("alpha", 1) != 1:
+            # The pre-add sum may have no other user (the op cannot provide it): extra_check says so.
+            adds = [u for u in chain[-1].users if _is(u, aten.add.Tensor) and u.kwargs.get("alpha", 1) == 1]
+            if len(adds) != 1:
                 return None
+            add = adds[0]
             residual = _other(add, chain[-1])
             problem = _residual_problem(residual, add, _val(x), hidden)
             internal += chain
