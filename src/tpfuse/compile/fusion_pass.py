@@ -111,6 +111,7 @@ class FusionPass(CustomGraphPass):
         sites = []
         for node in [n for n in graph.nodes if n.op == "call_function" and n.target == ALL_REDUCE]:
             shape, dtype, group_name = _describe(node)
+            refused = None  # the first (longest) pattern that matched but may not fuse, and why
             for pattern in PATTERNS:
                 match = pattern.search(node)
                 if match is None:
@@ -118,10 +119,12 @@ class FusionPass(CustomGraphPass):
                 reason = pattern.extra_check(match, self._token_bound)
                 if reason is None:
                     pattern.replace(graph, match)
-                sites.append(SiteReport(shape, dtype, group_name, reason is None, pattern.__name__, reason))
-                break
+                    sites.append(SiteReport(shape, dtype, group_name, True, pattern.__name__))
+                    break
+                refused = refused or (pattern.__name__, reason)
             else:
-                sites.append(SiteReport(shape, dtype, group_name, False, None, unmatched_reason(node)))
+                pattern_name, reason = refused or (None, unmatched_reason(node))
+                sites.append(SiteReport(shape, dtype, group_name, False, pattern_name, reason))
         if any(s.fused for s in sites):
             stable_topological_sort(graph)  # shapes the replacements read may be defined after the site
         graph.lint()
