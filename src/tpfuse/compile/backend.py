@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpfuse import select
-from tpfuse.comm.communicator import lookup_communicator
 from tpfuse.compile.fusion_pass import FusionPass, SiteReport, report_graph, summarize
-from tpfuse.compile.patterns import size_expr, static_int, token_count
+from tpfuse.compile.patterns import describe_shape, site_limit, static_int, token_count
 
 log = logging.getLogger("tpfuse.compile")
 _FUNCOL_ALL_REDUCE = (torch.ops._c10d_functional.all_reduce, torch.ops._c10d_functional.all_reduce.default)
@@ -78,32 +76,22 @@ def plan_graph(gm: torch.fx.GraphModule) -> GraphPlan:
     """Which all-reduces of a dynamo graph could fuse, and the token bounds that make them fuse."""
     plan = GraphPlan()
     for group_name, reduce_op, value in dynamo_all_reduces(gm):
-        shape = tuple(static_int(s) if static_int(s) is not None else str(size_expr(s)) for s in value.shape)
-
-        def unfused(reason: str) -> None:
-            plan.sites.append(SiteReport(shape, value.dtype, group_name, False, None, reason))
-
-        hidden = static_int(value.shape[-1]) if value.dim() >= 1 else None
-        comm = lookup_communicator(group_name)
-        if reduce_op != "sum":
-            unfused(f"all-reduce op is {reduce_op!r}, not 'sum'")
-        elif value.dim() < 2 or hidden is None:
-            unfused("the all-reduced tensor is not [..., hidden] with a static hidden size")
-        elif not select.kernel_supports(hidden, value.dtype):
-            unfused(f"{hidden} x {value.dtype} is not supported by the kernels")
-        elif comm is None or comm.destroyed or comm.max_token_num(hidden, value.dtype) <= 0:
-            unfused(f"group {group_name!r} has no tpfuse communicator that can fuse it "
-                    "(call tpfuse.get_communicator before compiling)")
+        hidden = static_int(value.shape[-1]) if value.dim() >= 2 else None
+        if hidden is None:
+            limit, reason = 0, "the all-reduced tensor is not [..., hidden] with a static hidden size"
         else:
-            limit, tokens = comm.max_token_num(hidden, value.dtype), token_count(value.shape)
-            if isinstance(tokens, int):
-                if tokens <= limit:
-                    plan.static_fusable += 1
-                else:
-                    unfused(f"{tokens} tokens exceed the fusion limit {limit}")
-            else:
-                key = str(tokens)
-                plan.bounds[key] = (tokens, min(limit, plan.bounds.get(key, (None, limit))[1]))
+            limit, reason = site_limit(group_name, reduce_op, hidden, value.dtype)
+        tokens = token_count(value.shape)
+        if reason is None and isinstance(tokens, int) and tokens > limit:
+            reason = f"{tokens} tokens exceed the fusion limit {limit}"
+        if reason is not None:
+            shape = describe_shape(value.shape)
+            plan.sites.append(SiteReport(shape, value.dtype, group_name, False, None, reason))
+        elif isinstance(tokens, int):
+            plan.static_fusable += 1
+        else:
+            key = str(tokens)
+            plan.bounds[key] = (tokens, min(limit, plan.bounds.get(key, (None, limit))[1]))
     return plan
 
 

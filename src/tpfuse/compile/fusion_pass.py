@@ -14,7 +14,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tpfuse import _stats
 from tpfuse.comm.communicator import fusion_signature
-from tpfuse.compile.patterns import ALL_REDUCE, PATTERNS, size_expr, static_int, unmatched_reason
+from tpfuse.compile.patterns import ALL_REDUCE, PATTERNS, describe_shape, unmatched_reason
 
 log = logging.getLogger("tpfuse.compile")
 # Inductor may run a copy of a pass (config patches are copied): copies share a tag and these records.
@@ -35,7 +35,8 @@ class SiteReport:
     def __str__(self) -> str:
         shape = "x".join(str(s) for s in self.shape)
         what = f"fused ({self.pattern})" if self.fused else f"not fused: {self.reason}"
-        return f"all-reduce [{shape}] {str(self.dtype).replace('torch.', '')} group {self.group_name!r}: {what}"
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"all-reduce [{shape}] {dtype} group {self.group_name!r}: {what}"
 
 
 def summarize(sites: list[SiteReport]) -> str:
@@ -56,8 +57,7 @@ def report_graph(sites: list[SiteReport], token_range: str) -> None:
 
 def _describe(node: torch.fx.Node) -> tuple[tuple, torch.dtype, str]:
     val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-    shape = tuple(str(size_expr(s)) if static_int(s) is None else static_int(s)
-                  for s in val.shape) if val is not None else ()
+    shape = describe_shape(val.shape) if val is not None else ()
     return shape, getattr(val, "dtype", None), str(node.args[2])
 
 
@@ -136,5 +136,6 @@ class FusionPass(CustomGraphPass):
     def uuid(self) -> str:
         # Inductor's cache key: everything the pass's decisions depend on, stable across runs (the
         # code, the bounds, and each group's communicator: backend, size and algorithm table).
-        key = f"{self._source_hash}|{self.max_tokens}|{sorted(self.token_bounds.items())}|{fusion_signature()}"
+        bounds = sorted(self.token_bounds.items())
+        key = f"{self._source_hash}|{self.max_tokens}|{bounds}|{fusion_signature()}"
         return "tpfuse-fusion-" + hashlib.sha256(key.encode()).hexdigest()[:24]

@@ -25,7 +25,6 @@ for tests and documentation. Any eps value matches.
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 
@@ -82,6 +81,31 @@ def token_count(shape) -> object:
         return product
     product = sympy.expand(product)
     return int(product) if product.is_number else product
+
+
+def describe_shape(shape) -> tuple:
+    """A shape for reports and logs: ints, and symbolic sizes as their expressions' text (picklable)."""
+    return tuple(static_int(s) if static_int(s) is not None else str(size_expr(s)) for s in shape)
+
+
+def site_limit(group_name: str, reduce_op: str, hidden: int, dtype: torch.dtype) -> tuple[int, str | None]:
+    """(fusion limit, None) of an all-reduce site, or (0, why no token count of it can fuse).
+
+    What a site's op, dtype, hidden size and group decide; the backend asks it of dynamo's graph and
+    the patterns of the post-grad graph, so both give the same reasons.
+    """
+    if reduce_op != "sum":
+        return 0, f"all-reduce op is {reduce_op!r}, not 'sum'"
+    if dtype not in select.KERNEL_DTYPES:
+        return 0, f"{hidden} x {dtype} is not supported by the kernels"
+    if not select.kernel_supports(hidden, dtype):
+        return 0, f"hidden size {hidden} is not supported (a multiple of 8 up to {select.MAX_KERNEL_HIDDEN})"
+    comm = lookup_communicator(group_name)
+    limit = comm.max_token_num(hidden, dtype) if comm is not None and not comm.destroyed else 0
+    if limit <= 0:
+        return 0, (f"group {group_name!r} has no tpfuse communicator that can fuse {hidden} x {dtype} "
+                   "(call tpfuse.get_communicator before compiling)")
+    return limit, None
 
 
 def _numel(shape):
@@ -219,7 +243,7 @@ def match_static_fp8(y: Node) -> tuple[Node, Node, list[Node]] | None:
 
 def _residual_problem(residual: object, add: Node, x: torch.Tensor, hidden: int) -> str | None:
     """Why the other operand of the add is not a residual the op can take (None when it is)."""
-    if not isinstance(residual, Node) or _val(residual) is None or not isinstance(_val(residual), torch.Tensor):
+    if not isinstance(residual, Node) or not isinstance(_val(residual), torch.Tensor):
         return "the value added to the all-reduce result is not a tensor"
     r = _val(residual)
     if r.dtype != x.dtype:
@@ -288,15 +312,11 @@ class FusionPattern:
         if m.problem is not None:
             return m.problem
         x = _val(m.x)
-        if m.reduce_op != "sum":
-            return f"all-reduce op is {m.reduce_op!r}, not 'sum'"
-        if x.dtype not in select.KERNEL_DTYPES:
-            return f"dtype {x.dtype} is not supported by the kernels"
+        limit, reason = site_limit(m.group_name, m.reduce_op, m.hidden, x.dtype)
+        if reason is not None:
+            return reason
         if _numel(x.shape) != _numel(_val(m.h).shape):
             return f"the all-reduced {tuple(x.shape)} is broadcast by the add to {tuple(_val(m.h).shape)}"
-        if not select.kernel_supports(m.hidden, x.dtype):
-            return (f"hidden size {m.hidden} is not supported (a multiple of 8 up to "
-                    f"{select.MAX_KERNEL_HIDDEN})")
         w = _val(m.weight) if isinstance(m.weight, Node) else None
         if w is None or tuple(w.shape) != (m.hidden,) or w.dtype not in (x.dtype, torch.float32):
             return "the norm weight is not a [hidden] tensor of the input's dtype or float32"
@@ -314,11 +334,6 @@ class FusionPattern:
             if any(static_int(s) is None and _size_source(m.all_reduce.graph, s, m) is None
                    for s in _val(node).shape):
                 return f"no input of the graph carries the sizes of {tuple(_val(node).shape)}"
-        comm = lookup_communicator(m.group_name)
-        limit = comm.max_token_num(m.hidden, x.dtype) if comm is not None and not comm.destroyed else 0
-        if limit <= 0:
-            return (f"group {m.group_name!r} has no tpfuse communicator that can fuse {m.hidden} x {x.dtype} "
-                    "(call tpfuse.get_communicator before compiling)")
         tokens = m.tokens
         bound = tokens if isinstance(tokens, int) else token_bound(tokens)
         if bound is None:
@@ -333,8 +348,7 @@ class FusionPattern:
         from torch._guards import detect_fake_mode
 
         hidden = m.hidden
-        vals = [_val(n) for n in graph.nodes if isinstance(_val(n), torch.Tensor)]
-        fake_mode = detect_fake_mode(vals)
+        fake_mode = detect_fake_mode([_val(m.x)])
 
         def call(target, *args) -> Node:
             node = graph.call_function(target, args)
