@@ -34,13 +34,13 @@ def _tiny_hf_e2e(rank, world_size, path):
 
     from tpfuse.bench.e2e import hf_e2e_rank, save_hf_llama
 
-    tiny = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                max_position_embeddings=64)
+    tiny = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 256, "max_position_embeddings": 64}
     if rank == 0:
         save_hf_llama(path, 2, torch.device("cpu"), tiny)
     dist.barrier()
-    return hf_e2e_rank(rank, world_size, path, [2], 6, ["unfused", "tpfuse"], device=torch.device("cpu"), iters=1,
-                       mode=None)
+    return hf_e2e_rank(rank, world_size, path, [2], 6, ["unfused", "tpfuse"], device=torch.device("cpu"),
+                       iters=1, mode=None)
 
 
 def test_hf_e2e_bench_runs_fuses_and_matches(rank_pool, tmp_path):

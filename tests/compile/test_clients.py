@@ -103,12 +103,13 @@ class TitanAttention(nn.Module):
 
     def forward(self, x):
         batch, seq, _ = x.shape
-        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-class TitanFeedForward(nn.Module):
+class FeedForward(nn.Module):
     def __init__(self, dim, hidden):
         super().__init__()
         self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
@@ -122,7 +123,7 @@ class TitanBlock(nn.Module):
     def __init__(self, dim, heads):
         super().__init__()
         self.attention_norm, self.ffn_norm = nn.RMSNorm(dim, eps=1e-5), nn.RMSNorm(dim, eps=1e-5)
-        self.attention, self.feed_forward = TitanAttention(dim, heads), TitanFeedForward(dim, 2 * dim)
+        self.attention, self.feed_forward = TitanAttention(dim, heads), FeedForward(dim, 2 * dim)
 
     def forward(self, x):
         h = x + self.attention(self.attention_norm(x))
@@ -184,11 +185,12 @@ class GptFastNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        output = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return output.type_as(x) * self.weight
 
 
 class GptFastAttention(nn.Module):
-    """Returns (output, attention probabilities) like some attention modules do: the hook reduces output[0]."""
+    """This rank's heads; returns the row-parallel partial sum [1, S, H] (the hook reduces output[0])."""
 
     def __init__(self, dim, local_heads, head_dim):
         super().__init__()
@@ -198,7 +200,8 @@ class GptFastAttention(nn.Module):
 
     def forward(self, x):
         batch, seq, _ = x.shape
-        q, k, v = self.wqkv(x).view(batch, seq, 3 * self.local_heads, self.head_dim).transpose(1, 2).chunk(3, 1)
+        qkv = self.wqkv(x).view(batch, seq, 3 * self.local_heads, self.head_dim)
+        q, k, v = qkv.transpose(1, 2).chunk(3, 1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, seq, -1)
         return self.wo(out)
 
@@ -207,12 +210,8 @@ class GptFastBlock(nn.Module):
     def __init__(self, dim, local_heads, head_dim, local_hidden):
         super().__init__()
         self.attention = GptFastAttention(dim, local_heads, head_dim)
-        self.w1, self.w3 = nn.Linear(dim, local_hidden, bias=False), nn.Linear(dim, local_hidden, bias=False)
-        self.w2 = nn.Linear(local_hidden, dim, bias=False)
+        self.feed_forward = FeedForward(dim, local_hidden)  # w1, w3 column shards, w2 a row shard
         self.attention_norm, self.ffn_norm = GptFastNorm(dim), GptFastNorm(dim)
-
-    def feed_forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def forward(self, x):
         h = x + self.attention(self.attention_norm(x))
@@ -223,7 +222,8 @@ class GptFastModel(nn.Module):
     def __init__(self, world_size, dim=HIDDEN, layers=2, heads=4, vocab=256):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(GptFastBlock(dim, heads // world_size, dim // heads, 2 * dim // world_size)
+        local_heads, local_hidden = heads // world_size, 2 * dim // world_size
+        self.layers = nn.ModuleList(GptFastBlock(dim, local_heads, dim // heads, local_hidden)
                                     for _ in range(layers))
         self.norm = GptFastNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
@@ -240,10 +240,10 @@ def _apply_gpt_fast_hooks(model: GptFastModel) -> None:
     group = dist.group.WORLD
     for block in model.layers:
         # The attention output is [1, S, H]; reducing output[0] gives [S, H] and the residual add broadcasts.
-        block.attention.register_forward_hook(lambda _m, _i, output: funcol.all_reduce(output[0], "sum", group))
-        block.register_forward_hook(lambda _m, _i, output: output)  # hooks elsewhere change nothing
-        original = block.feed_forward
-        block.feed_forward = lambda x, original=original: funcol.all_reduce(original(x), "sum", group)
+        block.attention.register_forward_hook(
+            lambda _m, _i, output: funcol.all_reduce(output[0], "sum", group))
+        block.feed_forward.register_forward_hook(
+            lambda _m, _i, output: funcol.all_reduce(output, "sum", group))
 
 
 def _gpt_fast_model(rank, world_size):
@@ -262,7 +262,8 @@ def _gpt_fast_model(rank, world_size):
 def test_gpt_fast_hooks(rank_pool):
     for runs, compiles, reports in rank_pool(2).run(_gpt_fast_model, timeout=900):
         assert compiles == {"fused": 1, "plain": 1}, compiles  # batch 1 is static, seq dynamic
-        assert len(reports) == 1 and len(reports[0]) == 4 and all(": fused (" in s for s in reports[0]), reports
+        assert len(reports) == 1 and len(reports[0]) == 4, reports
+        assert all(": fused (" in s for s in reports[0]), reports
         for (_, seq), diff, calls in runs:
             assert calls == (4 if seq <= LIMIT else 0), (seq, calls)
             assert diff < 2e-2, (seq, diff)

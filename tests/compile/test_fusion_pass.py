@@ -77,12 +77,13 @@ def _pass_keys(rank, world_size):
     from tpfuse.compile import FusionPass
 
     keys = {}
-    for name, kwargs in [("triton-16", dict(max_tokens=16, hidden=64)), ("triton-16-again", dict(max_tokens=16,
-                         hidden=64)), ("triton-32", dict(max_tokens=32, hidden=64)), ("reference", dict(
-                         max_tokens=16, hidden=64, backend="reference")), ("none", None)]:
+    settings = [("triton-16", {"max_tokens": 16}), ("triton-16-again", {"max_tokens": 16}),
+                ("triton-32", {"max_tokens": 32}), ("reference", {"max_tokens": 16, "backend": "reference"}),
+                ("none", None)]
+    for name, kwargs in settings:
         tpfuse.destroy_all()
         if kwargs is not None:
-            tpfuse.get_communicator(**kwargs)
+            tpfuse.get_communicator(hidden=64, **kwargs)
         keys[name] = FusionPass(16).uuid()
     tpfuse.destroy_all()
     return keys
@@ -129,7 +130,8 @@ def test_each_communicator_backend_fuses_on_an_empty_cache(rank_pool, backend, c
         except ImportError as exc:
             pytest.skip(str(exc))
     expected = 0 if comm_backend == "reference" else 8  # 4 layers, 2 sites each
-    for fused, calls in rank_pool(2, backend).run(_fused_on_a_fresh_cache, backend, comm_backend, timeout=900):
+    results = rank_pool(2, backend).run(_fused_on_a_fresh_cache, backend, comm_backend, timeout=900)
+    for fused, calls in results:
         assert (fused, calls) == (expected, expected)
 
 
@@ -197,14 +199,16 @@ def _site(rank, world_size, kind, dtype):
     ("no_residual", torch.bfloat16, 1, "fused 1 of 1"),
     ("fp8", torch.bfloat16, 1, "fused 1 of 1"),
     ("plain", torch.float16, 1, "fused 1 of 1"),
-    ("op_between", torch.bfloat16, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x no RMSNorm "
-                                      "(or residual add then RMSNorm) follows the all-reduce; its result goes to mul"),
+    ("op_between", torch.bfloat16, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x "
+                                      "no RMSNorm (or residual add then RMSNorm) follows the all-reduce; "
+                                      "its result goes to mul"),
     ("max_all_reduce", torch.bfloat16, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x "
                                           "all-reduce op is 'max'"),
     ("plain", torch.float32, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x "
                                 "64 x torch.float32 is not supported"),  # dtype the kernels do not take
-    ("sum_used_elsewhere", torch.bfloat16, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x "
-                                              "the pre-add sum of the pattern has users outside it"),
+    ("sum_used_elsewhere", torch.bfloat16, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; "
+                                              "not fused: 1 x the pre-add sum of the pattern has users "
+                                              "outside it"),
     ("fp32_weight", torch.bfloat16, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x the "
                                        "norm's result dtype differs"),
 ])
@@ -285,7 +289,8 @@ def _explained(rank, world_size, kind):
     tpfuse.get_communicator(max_tokens=16, hidden=64)
     torch.manual_seed(0)
     module = Site(kind).bfloat16()
-    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(rank)).bfloat16()  # [batch, seq, hidden]
+    # [batch, seq, hidden]
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(rank)).bfloat16()
     explanation = tpfuse.compile.explain(module, x, torch.randn(2, 3, 64).bfloat16())
     return explanation.fused, len(explanation.sites), str(explanation)
 

@@ -232,7 +232,8 @@ def hf_e2e_rank(
         positions = torch.tensor([prefill], device=device)
         cache = StaticCache(config=config, max_cache_len=prefill + DECODE_HEADROOM)
         with torch.no_grad():  # the cache's tensors are made on first use
-            model(input_ids=ids, past_key_values=cache, cache_position=positions, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids, past_key_values=cache, cache_position=positions, use_cache=True,
+                  logits_to_keep=1)
 
         def reset() -> None:
             fill = torch.Generator(device).manual_seed(1)
@@ -293,7 +294,8 @@ def write_outputs(rows: list[dict], title: str, out_dir: str) -> None:
     fig.savefig(os.path.join(out_dir, "e2e.png"), dpi=110)
 
 
-def describe(client: str, preset: str, layers: int | None, world_size: int, mode: str = "reduce-overhead") -> str:
+def describe(client: str, preset: str, layers: int | None, world_size: int,
+             mode: str = "reduce-overhead") -> str:
     from tpfuse.models.llama import PRESETS
 
     args = PRESETS[preset]
@@ -326,7 +328,8 @@ def run_e2e_bench(
             from tpfuse.models.llama import PRESETS
 
             layers = layers or PRESETS[preset].n_layers
-            path = os.path.join(os.environ.get("TPFUSE_HF_CHECKPOINTS", "/tmp/tpfuse-hf"), f"{preset}-{layers}")
+            checkpoints = os.environ.get("TPFUSE_HF_CHECKPOINTS", "/tmp/tpfuse-hf")
+            path = os.path.join(checkpoints, f"{preset}-{layers}")
             if rank == 0:
                 save_hf_llama(path, layers, torch.device("cuda", torch.cuda.current_device()))
             dist.barrier()

@@ -297,7 +297,7 @@ def lookup_communicator(group_name: str) -> Communicator | None:
 
 
 def fusion_signature() -> str:
-    """:meth:`Communicator.fusion_signature` of every registered communicator: the compiler pass's cache key."""
+    """:meth:`Communicator.fusion_signature` of every registered communicator (the pass's cache key)."""
     with _registry_lock:
         comms = sorted(_registry.values(), key=lambda c: c.group_name)
     return ";".join(comm.fusion_signature() for comm in comms)
