@@ -5,7 +5,7 @@
 # counts, 5 providers), `variants` 2 min, the end-to-end benchmark 3-5 min: a 10-minute device call
 # holds one part.
 # Usage (device tool, carry [".anchors"] for FlashInfer):
-#   bash scripts/gpu_check.sh [quick|tests|bench|variants|e2e|hf|soak-start|soak-wait]
+#   bash scripts/gpu_check.sh [quick|tests|bench|variants|e2e|hf|hf-pairs|soak-start|soak-wait]
 # Needs: 2+ GPUs, python3 with torch (>= 2.11) and triton; nothing is installed from a registry.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,16 +31,42 @@ e2e() {
 }
 if [ "$MODE" = e2e ]; then e2e; exit $status; fi
 # The Hugging Face client: LlamaForCausalLM with llama-3-8b shapes under tp_plan="auto" (random weights
-# saved once to /tmp/tpfuse-hf), plain torch.compile against tpfuse.compile, CUDA graphs.
+# saved once to /tmp/tpfuse-hf), plain torch.compile against tpfuse.compile, CUDA graphs. PROFILE=N
+# adds where each step's time goes (N profiled steps, by kernel family).
 HF_LAYERS=${HF_LAYERS:-32}
 HF_PROVIDERS=${HF_PROVIDERS:-unfused,tpfuse,flashinfer}
+hf_bench() {  # providers, output folder, rendezvous port
+  mkdir -p "$2"
+  timeout "${HF_TIMEOUT:-540}" torchrun --nproc_per_node=2 --master_port="$3" -m tpfuse bench e2e --client hf \
+    --layers "$HF_LAYERS" --batches 1,32 --providers "$1" --profile "${PROFILE:-0}" --out "$2" \
+    > "$2/e2e-hf.log" 2>&1
+}
+hf_summary() {  # output folder
+  grep -E "tpfuse: (fused|graph split)|fused calls|ms,|Error|error" "$1/e2e-hf.log" | sort | uniq -c | tail -30
+  grep -v -i warn "$1/e2e-hf.log" | grep -A40 "^Hugging Face"
+}
 if [ "$MODE" = hf ]; then
   echo "== end to end: Hugging Face Llama ($HF_LAYERS layers, llama-3-8b shapes), providers $HF_PROVIDERS =="
-  timeout "${HF_TIMEOUT:-540}" torchrun --nproc_per_node="$NGPU" -m tpfuse bench e2e --client hf \
-    --layers "$HF_LAYERS" --batches 1,32 --providers "$HF_PROVIDERS" --out "$OUT" > "$OUT/e2e-hf.log" 2>&1 || status=1
-  grep -E "tpfuse: (fused|graph split)|fused calls|ms,|Error|error" "$OUT/e2e-hf.log" | sort | uniq -c | tail -30
-  grep -v -i warn "$OUT/e2e-hf.log" | tail -7
+  hf_bench "$HF_PROVIDERS" "$OUT" 29500 || status=1
+  hf_summary "$OUT"
   exit $status
+fi
+# `hf-pairs`: one provider per pair of GPUs at once (4 GPUs: two providers in one call), each pinned
+# to its own share of the cores; at 32 layers one provider's compile and run fill most of a call.
+if [ "$MODE" = hf-pairs ]; then
+  IFS=, read -r -a providers <<< "$HF_PROVIDERS"
+  pairs=$((NGPU / 2)); cores=$(nproc)
+  [ "${#providers[@]}" -le "$pairs" ] || { echo "hf-pairs: ${#providers[@]} providers need $((2 * ${#providers[@]})) GPUs"; exit 2; }
+  python3 -c "import torch; from tpfuse.bench.e2e import hf_checkpoint, save_hf_llama
+save_hf_llama(hf_checkpoint('llama-3-8b', $HF_LAYERS), $HF_LAYERS, torch.device('cuda'))"
+  for i in "${!providers[@]}"; do
+    first=$((i * cores / pairs)); last=$(((i + 1) * cores / pairs - 1))
+    (export CUDA_VISIBLE_DEVICES=$((2 * i)),$((2 * i + 1)); taskset -cp "$first-$last" $BASHPID > /dev/null
+     hf_bench "${providers[$i]}" "$OUT/${providers[$i]}" $((29500 + i))) &
+  done
+  wait
+  for p in "${providers[@]}"; do echo "== $p (its own GPU pair)"; hf_summary "$OUT/$p"; done
+  exit 0
 fi
 
 # A soak longer than one device call: `soak-start` leaves it running in a process of its own (it

@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--batches", default="1,8,32,64", help="e2e: decode batch sizes")
     bench.add_argument("--prefill", type=int, default=2048, help="e2e: prefill tokens (and KV cache length)")
     bench.add_argument("--mode", default="reduce-overhead", help="e2e: torch.compile mode of every provider")
+    bench.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                       help="e2e: also profile STEPS calls of each workload: time by kernel family")
     bench.add_argument("--out", default="results")
     tune = sub.add_parser("tune", help="measure where each algorithm wins here; write the table (torchrun)")
     tune.add_argument("--hidden", default="4096,7168,8192")
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
         providers = args.providers.split(",") if args.providers else list(PROVIDERS)
         return run_e2e_bench(args.preset, args.layers, _ints(args.batches), args.prefill, providers, args.out,
-                             args.mode, args.client)
+                             args.mode, args.client, args.profile)
     from tpfuse.bench.kernel import run_kernel_bench
 
     providers = args.providers or "tpfuse,nccl,symm_mem,flashinfer"

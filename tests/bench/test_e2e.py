@@ -1,6 +1,8 @@
 """The end-to-end benchmark's own logic on CPU ranks: every provider runs, fuses and matches unfused."""
 
-from tpfuse.bench.e2e import e2e_rank
+import pytest
+
+from tpfuse.bench.e2e import KERNEL_FAMILIES, e2e_rank, kernel_family
 
 
 def _tiny_e2e(rank, world_size):
@@ -14,6 +16,7 @@ def _tiny_e2e(rank, world_size):
         ["unfused", "tpfuse", "flashinfer"],
         device=__import__("torch").device("cpu"),
         iters=1,
+        profile_steps=1,
     )
 
 
@@ -26,6 +29,27 @@ def test_e2e_bench_runs_fuses_and_matches(rank_pool):
         assert row["tpfuse_logit_diff"] < 0.05 and row["tpfuse_argmax_agree"] >= 0.5
         assert "flashinfer_ms" not in row  # not importable on the CPU: skipped, not failed
         assert row["unfused_ms"] > 0 and row["tpfuse_ms"] > 0
+        for provider in ("unfused", "tpfuse"):  # the profile: every op counted in exactly one family
+            families = [row[f"{provider}_gpu_{f}_ms"] for f in [f for f, _ in KERNEL_FAMILIES] + ["other"]]
+            assert row[f"{provider}_gpu_busy_ms"] > 0
+            assert abs(sum(families) - row[f"{provider}_gpu_busy_ms"]) < 1e-6 * row[f"{provider}_gpu_busy_ms"]
+            assert row[f"{provider}_gpu_gemm_ms"] > 0 and row[f"{provider}_gpu_collective_ms"] > 0
+
+
+@pytest.mark.parametrize("name, family", [
+    ("_oneshot_allreduce_add_rmsnorm_kernel", "collective"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),
+    ("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_35_16x128x128", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
+    ("nvjet_sm90_tst_128x32_64x10_4x1_v_bz_TNT", "gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "gemm"),
+    ("triton_poi_fused_index_copy_slice_split_with_sizes_transpose_view_2", "inductor"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "copy"),
+    ("some_unknown_kernel", "other"),
+])
+def test_kernel_family(name, family):
+    assert kernel_family(name) == family
 
 
 def _tiny_hf_e2e(rank, world_size, path):

@@ -11,11 +11,13 @@ compiled with the same ``torch.compile`` mode (``mode="reduce-overhead"``, CUDA 
 A decode step is one token for each of ``batch`` sequences whose KV cache holds ``prefill``
 positions; the prefill is ``prefill`` tokens of one sequence. Times are CUDA-event milliseconds per
 call over back-to-back calls (median of repeats, slowest rank). Every provider's logits are compared
-with the unfused model's.
+with the unfused model's. ``--profile STEPS`` adds where each step's time goes, by kernel family
+(GEMMs, attention, collectives, Inductor's kernels, copies) and the time the GPU waits for the host.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from dataclasses import dataclass
@@ -70,6 +72,76 @@ def _compiled(provider: str, model, max_tokens: int, hidden: int, mode: str):
     return tpfuse.compile(model, mode=mode)
 
 
+#: Kernel families a profile sorts a step's time into: (family, name fragments); the first match wins.
+KERNEL_FAMILIES = (
+    # Fused all-reduce kernels (tpfuse's, FlashInfer's) count as collectives too.
+    ("collective", ("nccl", "allreduce", "all_reduce", "allgather", "wait_tensor", "lamport")),
+    ("attention", ("sdpa", "flash", "fmha", "attention", "attn")),
+    ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk", "aten::mm", "aten::addmm",
+              "aten::bmm")),
+    ("inductor", ("triton_", "cpp_fused")),
+    ("copy", ("memcpy", "memset", "copy", "fill", "elementwise", "cat")),
+)
+
+
+def kernel_family(name: str) -> str:
+    """The :data:`KERNEL_FAMILIES` entry a kernel (or, on the CPU, an aten op) belongs to, else "other"."""
+    lowered = name.lower()
+    for family, fragments in KERNEL_FAMILIES:
+        if any(fragment in lowered for fragment in fragments):
+            return family
+    return "other"
+
+
+@dataclass
+class StepProfile:
+    """Where one workload's step spends its time: milliseconds per step, from ``torch.profiler``."""
+
+    step_ms: float  # the steps' elapsed time (CUDA events; wall clock on the CPU), per step
+    busy_ms: float  # kernel time summed (the GPU's busy time; on the CPU, ops' self time)
+    kernels: collections.Counter  # kernel name -> ms per step
+
+    def families(self) -> dict[str, float]:
+        out = dict.fromkeys([f for f, _ in KERNEL_FAMILIES] + ["other"], 0.0)
+        for name, ms in self.kernels.items():
+            out[kernel_family(name)] += ms
+        return out
+
+
+def profile_step(fn: Callable[[], object], device: torch.device, steps: int = 10) -> StepProfile:
+    """Run ``fn`` ``steps`` times under ``torch.profiler`` (after warm-up): per-kernel time per step.
+
+    On a GPU the kernels inside CUDA-graph replays are counted one by one; the gap between the step
+    time and the busy time is time the GPU waited for the host.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    for _ in range(3):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        began = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+        elapsed_ms = start.elapsed_time(end) if cuda else (time.perf_counter() - began) * 1000
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    kernels = collections.Counter()
+    for event in prof.events():
+        if event.device_type == kind:
+            # Self time on the CPU: aten ops nest (linear -> mm), kernels do not.
+            us = event.device_time if cuda else event.self_cpu_time_total
+            kernels[event.name] += us / 1000 / steps
+    return StepProfile(elapsed_ms / steps, sum(kernels.values()), kernels)
+
+
 @dataclass
 class Workload:
     """One timed call: ``step(compiled_model)`` returns the logits; ``reset()`` restores the KV cache."""
@@ -81,8 +153,13 @@ class Workload:
 
 
 def time_providers(rank: int, model, hidden: int, max_tokens: int, workloads: list[Workload],
-                   providers: list[str], device: torch.device, iters: int, mode: str) -> list[dict]:
-    """Compile ``model`` per provider, run and time every workload; the rows, the same on every rank."""
+                   providers: list[str], device: torch.device, iters: int, mode: str,
+                   profile_steps: int = 0) -> list[dict]:
+    """Compile ``model`` per provider, run and time every workload; the rows, the same on every rank.
+
+    With ``profile_steps``, each timed workload is also profiled (:func:`profile_step`, rank 0's
+    view): ``{provider}_gpu_busy_ms`` and ``{provider}_gpu_{family}_ms`` per :data:`KERNEL_FAMILIES`.
+    """
     import tpfuse
 
     rows = {w.name: {"workload": w.name, "tokens": w.tokens} for w in workloads}
@@ -106,6 +183,16 @@ def time_providers(rank: int, model, hidden: int, max_tokens: int, workloads: li
                 logits = w.step(fn).float().clone()
                 fused = sum(n for k, n in tpfuse.stats().items() if k.startswith(("triton.", "flashinfer.")))
                 rows[name][f"{provider}_ms"] = _ms_per_call(lambda: w.step(fn), device, iters)
+                if profile_steps:
+                    profile = profile_step(lambda: w.step(fn), device, profile_steps)
+                    rows[name][f"{provider}_gpu_busy_ms"] = profile.busy_ms
+                    for family, ms in profile.families().items():
+                        rows[name][f"{provider}_gpu_{family}_ms"] = ms
+                    if rank == 0:
+                        print(f"\n{provider} {name}: profiled step {profile.step_ms:.3f} ms, kernels "
+                              f"{profile.busy_ms:.3f} ms; the largest:")
+                        for kernel, ms in profile.kernels.most_common(8):
+                            print(f"  {ms * 1000:9.1f} us  [{kernel_family(kernel)}] {kernel[:100]}")
             rows[name][f"{provider}_fused_calls"] = fused
             if rank == 0:
                 print(
@@ -153,6 +240,7 @@ def e2e_rank(
     device: torch.device | None = None,
     iters: int = 20,
     mode: str = "reduce-overhead",
+    profile_steps: int = 0,
 ) -> list[dict]:
     """Time every provider on our TP Llama (the process group is set up); the rows, the same on every rank.
 
@@ -172,7 +260,8 @@ def e2e_rank(
 
     workloads = [workload(f"decode b{b}", b, 1, torch.tensor([prefill], device=device)) for b in batches]
     workloads.append(workload(f"prefill {prefill}", 1, prefill, torch.arange(prefill, device=device)))
-    return time_providers(rank, model, model.args.dim, prefill, workloads, providers, device, iters, mode)
+    return time_providers(rank, model, model.args.dim, prefill, workloads, providers, device, iters, mode,
+                          profile_steps)
 
 
 #: Decode calls one workload of the HF client may make (warm-up and timed): positions its cache keeps free.
@@ -197,6 +286,11 @@ def save_hf_llama(path: str, layers: int, device: torch.device, config: dict | N
     del model
 
 
+def hf_checkpoint(preset: str, layers: int) -> str:
+    """The HF client's random-weight checkpoint: under ``$TPFUSE_HF_CHECKPOINTS`` (default /tmp/tpfuse-hf)."""
+    return os.path.join(os.environ.get("TPFUSE_HF_CHECKPOINTS", "/tmp/tpfuse-hf"), f"{preset}-{layers}")
+
+
 def hf_e2e_rank(
     rank: int,
     world_size: int,
@@ -207,6 +301,7 @@ def hf_e2e_rank(
     device: torch.device | None = None,
     iters: int = 20,
     mode: str = "reduce-overhead",
+    profile_steps: int = 0,
 ) -> list[dict]:
     """Time every provider on the Hugging Face Llama saved at ``path``, loaded with ``tp_plan="auto"``.
 
@@ -254,12 +349,14 @@ def hf_e2e_rank(
     workloads.append(Workload(f"prefill {prefill}", prefill,
                               lambda fn: fn(input_ids=prompt, use_cache=False, logits_to_keep=1).logits,
                               lambda: None))
-    return time_providers(rank, model, config.hidden_size, prefill, workloads, providers, device, iters, mode)
+    return time_providers(rank, model, config.hidden_size, prefill, workloads, providers, device, iters, mode,
+                          profile_steps)
 
 
 def write_outputs(rows: list[dict], title: str, out_dir: str) -> None:
     keys = write_csv(rows, out_dir, "e2e.csv")
-    cols = [k for k in keys if k.endswith(("_ms", "_speedup_%", "_fused_calls", "_logit_diff"))]
+    cols = [k for k in keys if k.endswith(("_ms", "_speedup_%", "_fused_calls", "_logit_diff"))
+            and "_gpu_" not in k]
     print(f"\n{title}")
     print(f"{'workload':>14} " + " ".join(f"{k:>20}" for k in cols))
     for row in rows:
@@ -270,6 +367,7 @@ def write_outputs(rows: list[dict], title: str, out_dir: str) -> None:
                 for k in cols
             )
         )
+    print_profile(rows)
     plt = pyplot()
     if plt is None:
         return
@@ -294,6 +392,19 @@ def write_outputs(rows: list[dict], title: str, out_dir: str) -> None:
     fig.savefig(os.path.join(out_dir, "e2e.png"), dpi=110)
 
 
+def print_profile(rows: list[dict]) -> None:
+    """Where each profiled workload's step goes, per provider: ms per step by kernel family."""
+    families = [f for f, _ in KERNEL_FAMILIES] + ["other"]
+    for row in rows:
+        providers = [p for p in PROVIDERS if f"{p}_gpu_busy_ms" in row]
+        if not providers:
+            continue
+        print(f"\n{row['workload']}: ms per step" + "".join(f"{p:>12}" for p in providers))
+        for label, key in [("step (timed)", "{p}_ms"), ("kernels", "{p}_gpu_busy_ms")] + [
+                (f"  {f}", f"{{p}}_gpu_{f}_ms") for f in families]:
+            print(f"{label:>24}" + "".join(f"{row[key.format(p=p)]:>12.3f}" for p in providers))
+
+
 def describe(client: str, preset: str, layers: int | None, world_size: int,
              mode: str = "reduce-overhead") -> str:
     from tpfuse.models.llama import PRESETS
@@ -308,7 +419,7 @@ def describe(client: str, preset: str, layers: int | None, world_size: int,
 
 def run_e2e_bench(
     preset: str, layers: int | None, batches: list[int], prefill: int, providers: list[str], out_dir: str,
-    mode: str = "reduce-overhead", client: str = "tpfuse",
+    mode: str = "reduce-overhead", client: str = "tpfuse", profile_steps: int = 0,
 ) -> int:
     """Entry point of ``python -m tpfuse bench e2e``; run it under torchrun, one process a GPU.
 
@@ -328,14 +439,15 @@ def run_e2e_bench(
             from tpfuse.models.llama import PRESETS
 
             layers = layers or PRESETS[preset].n_layers
-            checkpoints = os.environ.get("TPFUSE_HF_CHECKPOINTS", "/tmp/tpfuse-hf")
-            path = os.path.join(checkpoints, f"{preset}-{layers}")
+            path = hf_checkpoint(preset, layers)
             if rank == 0:
                 save_hf_llama(path, layers, torch.device("cuda", torch.cuda.current_device()))
             dist.barrier()
-            rows = hf_e2e_rank(rank, world_size, path, batches, prefill, providers, mode=mode)
+            rows = hf_e2e_rank(rank, world_size, path, batches, prefill, providers, mode=mode,
+                               profile_steps=profile_steps)
         else:
-            rows = e2e_rank(rank, world_size, preset, layers, batches, prefill, providers, mode=mode)
+            rows = e2e_rank(rank, world_size, preset, layers, batches, prefill, providers, mode=mode,
+                            profile_steps=profile_steps)
         if rank == 0:
             write_outputs(rows, describe(client, preset, layers, world_size, mode), out_dir)
     finally:
