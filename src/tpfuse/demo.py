@@ -106,6 +106,13 @@ def _demo_e2e(rank, world_size):
     return e2e_rank(rank, world_size, providers=list(PROVIDERS), **DEMO_E2E)
 
 
+def report_e2e(rows: list[dict], world_size: int, out_dir: str) -> None:
+    """Print the end-to-end table and write its CSV (and plot) to ``out_dir``."""
+    from tpfuse.bench.e2e import describe, write_outputs
+
+    write_outputs(rows, describe("tpfuse", DEMO_E2E["preset"], DEMO_E2E["layers"], world_size), out_dir)
+
+
 def run_demo(world_size: int | None = None) -> int:
     """Run the demo cases on all GPUs (2 or more) or on 2 CPU processes; return an exit code."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -153,8 +160,6 @@ def run_demo(world_size: int | None = None) -> int:
         print("  FAILED: " + ("not every site was fused" if m["fused"] != 8 else
                              "ranks decoded different ids" if not ranks_agree else "token ids differ"))
     if e2e_rows is not None:
-        from tpfuse.bench.e2e import describe, write_outputs
-
-        write_outputs(e2e_rows, describe(DEMO_E2E["preset"], DEMO_E2E["layers"], world_size), "results/demo")
+        report_e2e(e2e_rows, world_size, "results/demo")
     print("demo: OK" if not failures else f"demo: {failures} check(s) FAILED")
     return 1 if failures else 0

@@ -5,7 +5,7 @@ import torch
 from conftest import BACKENDS, rank_device
 
 import tpfuse
-from tpfuse.comm.workspace import NUM_SLOTS, SENTINEL, STATE_CALL
+from tpfuse.kernels.layout import NUM_SLOTS, SENTINEL, STATE_CALL
 from tpfuse.testing.cases import Case, check_results
 
 # Token counts and hidden sizes that change from call to call, in an order that makes every slot
@@ -142,7 +142,7 @@ def test_split_push_only_where_every_chunk_has_a_resident_program():
     def pushers(tokens, hidden, sms=132, words=2048):  # the launcher's grid: one program a row
         return split_push_programs(tokens, hidden, min(tokens, sms), sms, words)
 
-    # The sizes measured on 2 x H200 (docs/kernel-notes.md, run 12): split where it won, not elsewhere.
+    # The sizes measured on 2 x H200 (docs/kernel-notes.md): split where it won, not elsewhere.
     assert [pushers(t, 8192) for t in (1, 8, 16, 32, 64)] == [4, 32, 64, 0, 0]
     assert [pushers(t, 7168) for t in (1, 16, 32)] == [4, 64, 0]
     assert [pushers(t, 4096) for t in (1, 32, 64)] == [2, 64, 0]

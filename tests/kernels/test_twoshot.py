@@ -5,7 +5,7 @@ import torch
 from conftest import BACKENDS, rank_device
 
 import tpfuse
-from tpfuse.comm.workspace import NUM_SLOTS, SENTINEL, STATE_CALL
+from tpfuse.kernels.layout import NUM_SLOTS, SENTINEL, STATE_CALL
 from tpfuse.testing import forced_table
 from tpfuse.testing.cases import Case, check_results
 

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from conftest import BACKENDS, rank_device
 
 import tpfuse
+from tpfuse.kernels.layout import NUM_SLOTS
 from tpfuse.testing.cases import Case, check_results
 
 HIDDENS = [8, 64, 2880, 4096, 5120, 7168]
@@ -67,7 +68,7 @@ def _poisoned_no_residual(rank, world_size, backend, case, poison):
     h = torch.full_like(y, poison)
     if comm.workspace is not None and backend == "gloo":
         # Our own region of every slot is never read: fill it with garbage too.
-        buf = comm.workspace._keep_alive[rank].view(3, world_size, -1)
+        buf = comm.workspace._keep_alive[rank].view(NUM_SLOTS, world_size, -1)
         buf[:, rank].fill_(0x3C00)
     tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], None, inp["weight"], case.eps, out=y, residual_out=h)
     return y.cpu(), h.cpu()

@@ -13,6 +13,7 @@ from conftest import BACKENDS, rank_device
 
 import tpfuse
 from tpfuse.comm import workspace as ws
+from tpfuse.kernels import layout
 from tpfuse.kernels.reference import add_rmsnorm_reference
 from tpfuse.testing import forced_table
 from tpfuse.testing.cases import Case
@@ -70,8 +71,8 @@ def _mismatch(rank, world_size, debug):
     finally:
         os.environ.pop("TPFUSE_DEBUG", None)
     comm = tpfuse.get_communicator()
-    region = comm.workspace._keep_alive[rank].view(ws.NUM_SLOTS, world_size, -1)[0, 1 - rank]
-    untouched_past_calls = bool((region[5 * 512 :] == ws.SENTINEL).all())
+    region = comm.workspace._keep_alive[rank].view(layout.NUM_SLOTS, world_size, -1)[0, 1 - rank]
+    untouched_past_calls = bool((region[5 * 512 :] == layout.SENTINEL).all())
     dist.barrier()
     tpfuse.destroy_all()
     return raised, untouched_past_calls

@@ -413,7 +413,8 @@ def describe(client: str, preset: str, layers: int | None, world_size: int,
     model = f"{preset} ({layers or args.n_layers} layers, hidden {args.dim}, bf16)"
     if client == "hf":
         model = f"Hugging Face LlamaForCausalLM, tp_plan='auto', StaticCache, {model}"
-    return (f"{model}, {world_size} x {torch.cuda.get_device_name()}, torch.compile mode {mode}, "
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU process"
+    return (f"{model}, {world_size} x {device}, torch.compile mode {mode}, "
             "decode steps and prefill, ms per call")
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tpfuse import select
 from tpfuse.comm import workspace as ws
-from tpfuse.kernels import kernels_usable
+from tpfuse.kernels import kernels_usable, layout
 
 log = logging.getLogger(__name__)
 
@@ -184,10 +184,12 @@ class Communicator:
         if self.workspace is None:
             return
         state = self.workspace.state.tolist()
-        if state[ws.STATE_ERROR]:
+        failed_call, tokens, hidden = (state[i] for i in (layout.STATE_ERROR, layout.STATE_ERROR_TOKENS,
+                                                          layout.STATE_ERROR_HIDDEN))
+        if failed_call:
             self._error = (
-                f"tpfuse: group {self.group_name!r} rank {self.rank}: fused call #{state[ws.STATE_ERROR]} "
-                f"({state[ws.STATE_ERROR_TOKENS]} x {state[ws.STATE_ERROR_HIDDEN]}) gave up after waiting "
+                f"tpfuse: group {self.group_name!r} rank {self.rank}: fused call #{failed_call} "
+                f"({tokens} x {hidden}) gave up after waiting "
                 f"{self.wait_timeout_s:g} s for a peer: a rank stalled or died, or the ranks' calls did not "
                 "match (TPFUSE_DEBUG=1 compares them). Destroy this communicator and create a new one.")
             raise RuntimeError(self._error)

@@ -5,11 +5,9 @@ sentinel. That needs each word to be written and read in one piece. On a GPU it 
 16-bit access is one transaction). Triton's interpreter copies every element with ``memcpy`` of a
 size known only at run time, and glibc may copy those two bytes one at a time: a rank polling a
 word that a peer process is writing can read one new byte and one old byte, a value that is neither
-the sentinel nor the data (on our development machine, glibc 2.36: 42 torn words in 20 s of polling;
-in the tests, one element of a 40 x 4096 two-shot call at 3 ranks wrong in about 1 run in 15).
-So while a shared-file workspace exists, 16-bit loads and stores of contiguous rows go through a
-numpy ufunc instead, whose typed loop moves whole aligned words (none torn in 215 million reads of
-words another process was rewriting). Other accesses keep Triton's own path.
+the sentinel nor the data (with glibc 2.36, torn words appear within seconds of polling). So while a
+shared-file workspace exists, 16-bit loads and stores of contiguous rows go through a numpy ufunc
+instead, whose typed loop moves whole aligned words. Other accesses keep Triton's own path.
 """
 
 from __future__ import annotations

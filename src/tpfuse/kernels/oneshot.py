@@ -28,10 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.comm.workspace import Workspace
+from tpfuse.kernels.layout import Workspace
 from tpfuse.kernels.protocol import (_clear_slot, _finish_call, _multiple_of_8, _peer_base, _sendable_bits,
                                      _slots, _start_clock, _store_normed, _sum_in_rank_order,
-                                     kernel_arguments)
+                                     kernel_arguments, launch_config)
 
 
 @triton.jit
@@ -131,34 +131,20 @@ class OneShotVariant:
     clear_first: bool = True  # clear the previous slot before waiting instead of after
     relaxed_arrive: bool = True  # relaxed instead of acq_rel atomic for the arrival count
     split_push_words: int = 2048  # > 0: where split_push_programs allows, chunks of this many words
-    # Stages done twice, to time them by difference (H200.md's method; a push cannot be repeated: a
+    # Benchmark variants: a stage done twice costs the difference (the push cannot be repeated: a
     # second copy that no peer waits for could land after the peer has cleared the slot).
     clears: int = 1  # clears of the previous slot (the second finds it clear, and writes it again)
     reduces: int = 1  # passes over each row: wait, sum, residual, norm, stores (the second waits for nothing)
 
 
 DEFAULT_VARIANT = OneShotVariant()
-# 16 warps of 32 threads, 8 elements a thread: a row of 4096 a pass. 32 warps (a row of 8192 over
-# 1024 threads, FlashInfer's shape) measured the same on 2 x H200 (docs/kernel-notes.md, run 12).
-MAX_WARPS = 16
-
-
-def launch_config(hidden: int, device: torch.device, variant: OneShotVariant = DEFAULT_VARIANT
-                  ) -> tuple[int, int, bool]:
-    """(BLOCK_H, num_warps, use_pdl) for rows of ``hidden`` on ``device``: 8 elements a thread."""
-    block_h = triton.next_power_of_2(hidden)
-    num_warps = max(1, min(MAX_WARPS, block_h // 256))
-    use_pdl = variant.pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return block_h, num_warps, use_pdl
-
-
 def split_push_programs(n_tokens: int, hidden: int, programs: int, max_programs: int, words: int) -> int:
     """Programs that only push x, one a chunk of ``words``, or 0 when the push stays with the row programs.
 
     A few large rows are pushed faster by several SMs than by the one that reduces each row (2 x H200:
     8192 x 8 tokens 5.6 instead of 6.4 us). Only when every chunk has a program of its own and the
     whole grid is resident: pushers that loop over chunks while row programs spin were slower from 32
-    tokens on, up to 14x at 128-256 tokens (docs/kernel-notes.md, run 12). A row of one chunk keeps
+    tokens on, up to 14x at 128-256 tokens (docs/kernel-notes.md). A row of one chunk keeps
     its push (splitting it was not measured).
     """
     chunks = triton.cdiv(hidden, words) if words else 1
@@ -189,10 +175,10 @@ def oneshot_allreduce_add_rmsnorm(
     """
     n_tokens, hidden = x.shape
     args, flags = kernel_arguments(x, residual, weight, eps, y, h, workspace, quant_scale, wait_limit)
-    block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant)
+    block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant.pdl)
     # One row a program, at most max_programs (the grid must be resident). Two large rows a program
-    # from 65 tokens on (run 8) stopped paying once rows moved 16 bytes an access: one row a program
-    # made 7168/8192 x 80-128 tokens 12-18% shorter on 2 x H200 (docs/kernel-notes.md, run 14).
+    # from 65 tokens on stopped paying once rows moved 16 bytes an access: one row a program
+    # made 7168/8192 x 80-128 tokens 12-18% shorter on 2 x H200 (docs/kernel-notes.md).
     programs = min(n_tokens, max_programs)
     pushers = split_push_programs(n_tokens, hidden, programs, max_programs, variant.split_push_words)
     block_c = variant.split_push_words if pushers else block_h  # a split row is wider than a chunk

@@ -13,15 +13,19 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer
 
-from tpfuse.comm.workspace import (SENTINEL, STATE_ERROR, STATE_ERROR_HIDDEN, STATE_ERROR_TOKENS, STATE_LEN,
-                                   Workspace)
+from tpfuse.kernels import layout
 from tpfuse.kernels.fp8 import fp32_to_e4m3fn_bits
+from tpfuse.kernels.layout import Workspace
 
 # Globals a jitted function reads must be constexpr objects.
-_SENTINEL = tl.constexpr(SENTINEL)
-_STATE_ERROR = tl.constexpr(STATE_ERROR)
-_STATE_ERROR_TOKENS = tl.constexpr(STATE_ERROR_TOKENS)
-_STATE_ERROR_HIDDEN = tl.constexpr(STATE_ERROR_HIDDEN)
+_SENTINEL = tl.constexpr(layout.SENTINEL)
+_NUM_SLOTS = tl.constexpr(layout.NUM_SLOTS)
+_STATE_CALL = tl.constexpr(layout.STATE_CALL)
+_STATE_ARRIVED = tl.constexpr(layout.STATE_ARRIVED)
+_STATE_EXTENT = tl.constexpr(layout.STATE_EXTENT)
+_STATE_ERROR = tl.constexpr(layout.STATE_ERROR)
+_STATE_ERROR_TOKENS = tl.constexpr(layout.STATE_ERROR_TOKENS)
+_STATE_ERROR_HIDDEN = tl.constexpr(layout.STATE_ERROR_HIDDEN)
 
 # Every wait is bounded. On a GPU the bound is time (the global nanosecond timer); the CPU
 # interpreter has no timer, so there it is a number of polls, about this many a second.
@@ -33,6 +37,20 @@ DEFAULT_WAIT_TIMEOUT_S = 10.0
 def wait_limit_for(timeout_s: float, on_gpu: bool) -> int:
     """The kernels' ``wait_limit`` argument for a timeout: nanoseconds on a GPU, polls on the CPU."""
     return int(timeout_s * 1e9) if on_gpu else max(1, int(timeout_s * CPU_POLLS_PER_SECOND))
+
+
+# 16 warps of 32 threads, 8 elements a thread: a row of 4096 a pass. 32 warps (a row of 8192 over
+# 1024 threads, FlashInfer's shape) measured the same on 2 x H200 (docs/kernel-notes.md).
+MAX_WARPS = 16
+
+
+def launch_config(hidden: int, device: torch.device, pdl: bool = True) -> tuple[int, int, bool]:
+    """(BLOCK_H, num_warps, use_pdl) for rows of ``hidden`` on ``device``: 8 elements a thread; PDL
+    (programmatic dependent launch) when asked for and the GPU has it (Hopper and newer)."""
+    block_h = triton.next_power_of_2(hidden)
+    num_warps = max(1, min(MAX_WARPS, block_h // 256))
+    use_pdl = pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return block_h, num_warps, use_pdl
 
 
 def kernel_arguments(
@@ -55,7 +73,7 @@ def kernel_arguments(
     on_gpu = x.device.type == "cuda"
     if wait_limit is None:
         wait_limit = wait_limit_for(DEFAULT_WAIT_TIMEOUT_S, on_gpu)
-    assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == STATE_LEN
+    assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == layout.STATE_LEN
     # The kernels take both for multiples of 8 (16-byte rows); select.kernel_supports admits no others.
     assert hidden % 8 == 0 and workspace.region_elems % 8 == 0, (hidden, workspace.region_elems)
     args = (x, residual if residual is not None else x, weight,
@@ -108,12 +126,12 @@ def _slots(state_ptr, region_elems, WORLD: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    call = tl.load(state_ptr + 0)
-    slot = call % 3
-    prev_slot = (call + 2) % 3
+    call = tl.load(state_ptr + _STATE_CALL)
+    slot = call % _NUM_SLOTS
+    prev_slot = (call + _NUM_SLOTS - 1) % _NUM_SLOTS
     slot_base = slot.to(tl.int64) * WORLD * region_elems
     prev_base = prev_slot.to(tl.int64) * WORLD * region_elems
-    prev_extent = tl.load(state_ptr + 2 + prev_slot)
+    prev_extent = tl.load(state_ptr + _STATE_EXTENT + prev_slot)
     return call, slot, slot_base, prev_base, prev_extent
 
 
@@ -208,13 +226,13 @@ def _finish_call(state_ptr, call, slot, n_tokens, hidden, failed, n_programs, RE
         tl.store(state_ptr + _STATE_ERROR_TOKENS, n_tokens)
         tl.store(state_ptr + _STATE_ERROR_HIDDEN, hidden)
     if RELAXED_ARRIVE:
-        arrived = tl.atomic_add(state_ptr + 1, 1, sem="relaxed")
+        arrived = tl.atomic_add(state_ptr + _STATE_ARRIVED, 1, sem="relaxed")
     else:
-        arrived = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel")
+        arrived = tl.atomic_add(state_ptr + _STATE_ARRIVED, 1, sem="acq_rel")
     if arrived == n_programs - 1:
-        tl.store(state_ptr + 2 + slot, n_tokens * hidden)
-        tl.store(state_ptr + 0, call + 1)
-        tl.store(state_ptr + 1, 0)
+        tl.store(state_ptr + _STATE_EXTENT + slot, n_tokens * hidden)
+        tl.store(state_ptr + _STATE_CALL, call + 1)
+        tl.store(state_ptr + _STATE_ARRIVED, 0)
 
 
 @triton.jit

@@ -28,11 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.comm.workspace import Workspace
-from tpfuse.kernels.oneshot import launch_config
+from tpfuse.kernels.layout import Workspace
 from tpfuse.kernels.protocol import (_clear_slot, _finish_call, _multiple_of_8, _peer_base, _sendable,
                                      _sendable_bits, _slots, _start_clock, _store_normed, _sum_in_rank_order,
-                                     _wait_row, kernel_arguments)
+                                     _wait_row, kernel_arguments, launch_config)
 
 
 @triton.jit
@@ -183,7 +182,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
 ALL_ROWS = 0
 #: Rows a program scatters ahead by default. On 2 x H200 groups of 4 rows made 2048-8192 tokens
 #: 6-18% shorter than one group (8192 x 4096: 257.5 -> 228.9 us), groups of 2 and 8 no better; at 1024
-#: tokens the difference is within 4% either way (docs/kernel-notes.md, runs 12 and 13).
+#: tokens the difference is within 4% either way (docs/kernel-notes.md).
 GROUP_ROWS = 4
 
 
