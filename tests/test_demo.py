@@ -17,7 +17,8 @@ def test_parted_ids_pass_only_at_a_near_tie_with_small_noise():
 
 def test_e2e_report_writes_the_table(tmp_path, capsys):
     # What the demo does with the end-to-end rows on GPUs (the rows here are made up).
-    rows = [{"workload": "decode b1", "tokens": 1, "unfused_ms": 1.0, "tpfuse_ms": 0.8, "tpfuse_speedup_%": 25.0}]
+    rows = [{"workload": "decode b1", "tokens": 1, "unfused_ms": 1.0, "tpfuse_ms": 0.8,
+             "tpfuse_speedup_%": 25.0}]
     report_e2e(rows, 2, str(tmp_path))
     assert "llama-3-8b (8 layers" in capsys.readouterr().out
     assert (tmp_path / "e2e.csv").read_text().startswith("workload,tokens,unfused_ms")

@@ -1,6 +1,6 @@
 """The package's layers: each imports only from layers below it, and no modules import each other in a cycle.
 
-compile -> ops -> comm -> kernels -> select (``_stats`` is below all of them). The benchmarks, models,
+compiler -> ops -> comm -> kernels -> select (``_stats`` is below all of them). The benchmarks, models,
 demo and testing helpers sit on top and may import anything.
 """
 
@@ -8,7 +8,7 @@ import ast
 import pathlib
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
-LAYERS = ["_stats", "select", "kernels", "comm", "ops", "compile"]  # lowest first
+LAYERS = ["_stats", "select", "kernels", "comm", "ops", "compiler"]  # lowest first
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -66,7 +66,7 @@ def test_reduce_overhead_mode_on_gpus(rank_pool):
 
 
 def test_pass_identity_is_stable_for_inductors_cache():
-    from tpfuse.compile import FusionPass
+    from tpfuse.compiler import FusionPass
 
     assert FusionPass(16).uuid() == FusionPass(16).uuid() != FusionPass(32).uuid()
     assert FusionPass(token_bounds={"s0": 16}).uuid() != FusionPass(token_bounds={"s0*s1": 16}).uuid()
@@ -74,7 +74,7 @@ def test_pass_identity_is_stable_for_inductors_cache():
 
 def _pass_keys(rank, world_size):
     """The pass's cache key under different communicators of the same group."""
-    from tpfuse.compile import FusionPass
+    from tpfuse.compiler import FusionPass
 
     keys = {}
     settings = [("triton-16", {"max_tokens": 16}), ("triton-16-again", {"max_tokens": 16}),
@@ -173,7 +173,7 @@ class _Records(logging.Handler):
 
 def _site(rank, world_size, kind, dtype):
     records = _Records()
-    logger = logging.getLogger("tpfuse.compile")
+    logger = logging.getLogger("tpfuse.compiler")
     logger.setLevel(logging.INFO)
     logger.addHandler(records)
     tpfuse.get_communicator(max_tokens=16, hidden=64)
@@ -241,7 +241,7 @@ class _Example(nn.Module):
 
 
 def _pattern_example(rank, world_size, name):
-    from tpfuse.compile import patterns
+    from tpfuse.compiler import patterns
 
     pattern = getattr(patterns, name)
     tpfuse.get_communicator(max_tokens=16, hidden=64)
@@ -269,7 +269,7 @@ def test_each_pattern_fuses_its_own_example(rank_pool, name):
 def test_compile_modes_are_torch_compile_modes():
     from torch._inductor import list_mode_options
 
-    from tpfuse.compile import inductor_options_for_mode
+    from tpfuse.compiler import inductor_options_for_mode
 
     assert inductor_options_for_mode(None) == {}
     assert inductor_options_for_mode("reduce-overhead") == {"triton.cudagraphs": True}
@@ -291,7 +291,7 @@ def _explained(rank, world_size, kind):
     module = Site(kind).bfloat16()
     # [batch, seq, hidden]
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(rank)).bfloat16()
-    explanation = tpfuse.compile.explain(module, x, torch.randn(2, 3, 64).bfloat16())
+    explanation = tpfuse.explain(module, x, torch.randn(2, 3, 64).bfloat16())
     return explanation.fused, len(explanation.sites), str(explanation)
 
 

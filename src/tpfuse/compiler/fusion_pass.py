@@ -14,9 +14,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tpfuse import _stats
 from tpfuse.comm.communicator import fusion_signature
-from tpfuse.compile.patterns import ALL_REDUCE, PATTERNS, describe_shape, unmatched_reason
+from tpfuse.compiler.patterns import ALL_REDUCE, PATTERNS, describe_shape, unmatched_reason
 
-log = logging.getLogger("tpfuse.compile")
+log = logging.getLogger("tpfuse.compiler")
 # Inductor may run a copy of a pass (config patches are copied): copies share a tag and these records.
 _reports: collections.defaultdict[str, list[list[SiteReport]]] = collections.defaultdict(list)
 

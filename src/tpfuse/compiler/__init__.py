@@ -1,8 +1,8 @@
 """torch.compile integration: the fusion pass and the token-range-splitting backend.
 
-    model = tpfuse.compile(model)                              # or
-    model = torch.compile(model, backend=tpfuse.compile.TpfuseBackend())
-    print(tpfuse.compile.explain(model, *example_inputs))      # each all-reduce site: fused, or why not
+    model = tpfuse.compile(model)                                        # or
+    model = torch.compile(model, backend=tpfuse.compiler.TpfuseBackend())
+    print(tpfuse.explain(model, *example_inputs))  # each all-reduce site: fused, or why not
 
 The backend compiles each graph twice with Inductor: once with :class:`FusionPass` for token counts
 up to the fusion limit (``tpfuse.select.max_token_num`` of every site's group, dtype and hidden
@@ -12,10 +12,7 @@ all dims but the last of the all-reduced tensors (``[tokens, hidden]`` or ``[bat
 
 from __future__ import annotations
 
-import sys
-import types
-
-from tpfuse.compile.backend import (
+from tpfuse.compiler.backend import (
     CompiledModel,
     Explanation,
     TpfuseBackend,
@@ -23,18 +20,8 @@ from tpfuse.compile.backend import (
     explain,
     inductor_options_for_mode,
 )
-from tpfuse.compile.fusion_pass import FusionPass, SiteReport
-from tpfuse.compile.patterns import PATTERNS, FusionPattern, Match
+from tpfuse.compiler.fusion_pass import FusionPass, SiteReport
+from tpfuse.compiler.patterns import PATTERNS, FusionPattern, Match
 
 __all__ = ["CompiledModel", "Explanation", "FusionPass", "FusionPattern", "Match", "PATTERNS", "SiteReport",
            "TpfuseBackend", "compile", "explain", "inductor_options_for_mode"]
-
-
-class _CallableModule(types.ModuleType):
-    """Lets ``tpfuse.compile(model)`` call :func:`compile` while ``tpfuse.compile.X`` stays this module."""
-
-    def __call__(self, model, **kwargs):
-        return compile(model, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpfuse.compile.fusion_pass import FusionPass, SiteReport, report_graph, summarize
-from tpfuse.compile.patterns import describe_shape, site_limit, static_int, token_count
+from tpfuse.compiler.fusion_pass import FusionPass, SiteReport, report_graph, summarize
+from tpfuse.compiler.patterns import describe_shape, site_limit, static_int, token_count
 
-log = logging.getLogger("tpfuse.compile")
+log = logging.getLogger("tpfuse.compiler")
 _FUNCOL_ALL_REDUCE = (torch.ops._c10d_functional.all_reduce, torch.ops._c10d_functional.all_reduce.default)
 
 
@@ -292,7 +292,7 @@ def explain(model: torch.nn.Module, *example_args, mode: str | None = None, **ex
 
     Collective like the model's forward: every rank calls it with its inputs (and has called
     ``tpfuse.get_communicator`` first, as for :func:`compile`). Inductor's caches are bypassed so
-    the pass runs and reports every site. ``print(tpfuse.compile.explain(model, ids))`` lists each
+    the pass runs and reports every site. ``print(tpfuse.explain(model, ids))`` lists each
     all-reduce: its shape, dtype and group, the pattern that fused it, or the reason it stayed unfused.
     """
     import torch._functorch.config as functorch_config
