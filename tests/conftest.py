@@ -1,11 +1,7 @@
 import pytest
 import torch
 
-from tpfuse.testing import RankPool, rank_device  # noqa: F401 - rank_device is imported by the tests
-
-# Ranks run as processes: gloo on the CPU (kernels under the Triton interpreter) always, NCCL on GPUs
-# when this machine has at least two.
-BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else [])
+from tpfuse.testing import RankPool
 
 _pools: dict[tuple[int, str], RankPool] = {}
 
@@ -31,3 +27,10 @@ def rank_pool(tmp_path_factory):
         pool.close()
     _pools.clear()
 
+
+
+def pytest_collection_modifyitems(items):
+    """Two lanes: tests that start rank processes are ``slow``; ``pytest -m "not slow"`` runs the rest."""
+    for item in items:
+        if "rank_pool" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

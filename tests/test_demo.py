@@ -1,8 +1,11 @@
 """The README's main command passes its own checks (2 CPU ranks, or every GPU)."""
 
+import pytest
+
 from tpfuse.demo import is_near_tie, report_e2e, run_demo
 
 
+@pytest.mark.slow  # starts its own ranks
 def test_demo_passes(capsys):
     assert run_demo() == 0
     out = capsys.readouterr().out

@@ -8,11 +8,13 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKENDS
 
 import tpfuse
 from tpfuse.comm import workspace as ws
 from tpfuse.comm.communicator import lookup_communicator
+from tpfuse.testing import rank_backends
+
+BACKENDS = rank_backends()
 
 
 def _lifecycle(rank, world_size):

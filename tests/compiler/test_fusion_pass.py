@@ -6,12 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from conftest import BACKENDS, rank_device
 from torch import nn
 
 import tpfuse
 from tpfuse.models import Transformer
 from tpfuse.models.llama import HFRMSNorm
+from tpfuse.testing import rank_backends, rank_device
+
+BACKENDS = rank_backends()
 
 SMALL, LARGE = (5, 11), (24, 37)  # token counts below and above the fusion limit (16)
 

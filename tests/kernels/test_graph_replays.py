@@ -9,10 +9,12 @@ import os
 
 import pytest
 import torch
-from conftest import BACKENDS
 
 import tpfuse
+from tpfuse.testing import rank_backends
 from tpfuse.testing.cases import Case, check_results
+
+BACKENDS = rank_backends()
 
 REPLAYS = int(os.environ.get("TPFUSE_GRAPH_REPLAYS", "300"))
 PHASES = int(os.environ.get("TPFUSE_GRAPH_PHASES", "2"))

@@ -2,11 +2,13 @@
 
 import pytest
 import torch
-from conftest import BACKENDS, rank_device
 
 import tpfuse
 from tpfuse.kernels.layout import NUM_SLOTS, SENTINEL, STATE_CALL
+from tpfuse.testing import rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
+
+BACKENDS = rank_backends()
 
 # Token counts and hidden sizes that change from call to call, in an order that makes every slot
 # be cleared after calls of other shapes. Hidden 8 and 4104 are not multiples of 16: on a GPU the

@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from conftest import BACKENDS, rank_device
 
 import tpfuse
 from tpfuse.kernels.layout import NUM_SLOTS, SENTINEL, STATE_CALL
-from tpfuse.testing import forced_table
+from tpfuse.testing import forced_table, rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
+
+BACKENDS = rank_backends()
 
 
 def _sequence(rank, world_size, backend, cases, oneshot_max):

@@ -5,11 +5,13 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKENDS, rank_device
 
 import tpfuse
 from tpfuse.kernels.layout import NUM_SLOTS
+from tpfuse.testing import rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
+
+BACKENDS = rank_backends()
 
 HIDDENS = [8, 64, 2880, 4096, 5120, 7168]
 

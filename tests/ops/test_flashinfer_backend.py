@@ -3,9 +3,9 @@
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import rank_device
 
 import tpfuse
+from tpfuse.testing import rank_device
 from tpfuse.testing.cases import Case, check_results
 
 

@@ -9,14 +9,15 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKENDS, rank_device
 
 import tpfuse
 from tpfuse.comm import workspace as ws
 from tpfuse.kernels import layout
 from tpfuse.kernels.reference import add_rmsnorm_reference
-from tpfuse.testing import forced_table
+from tpfuse.testing import forced_table, rank_backends, rank_device
 from tpfuse.testing.cases import Case
+
+BACKENDS = rank_backends()
 
 
 def _stall(rank, world_size, backend):

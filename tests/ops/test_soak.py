@@ -7,9 +7,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BACKENDS
 
 import tpfuse
+from tpfuse.testing import rank_backends
+
+BACKENDS = rank_backends()
 
 SOAK_SECONDS = float(os.environ.get("TPFUSE_SOAK_SECONDS", "10"))
 

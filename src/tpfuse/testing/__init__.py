@@ -26,6 +26,15 @@ DEFAULT_TIMEOUT_S = 300.0
 FAILURE_GRACE_S = 10.0
 
 
+def rank_backends() -> list[str]:
+    """Process-group backends the multi-rank tests run on: gloo always (CPU ranks, kernels in the
+    Triton interpreter), NCCL too where this machine has two or more GPUs."""
+    import torch
+
+    two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    return ["gloo"] + (["nccl"] if two_gpus else [])
+
+
 def rank_device(backend: str, rank: int):
     """The device rank ``rank`` of a pool works on: GPU ``rank`` under NCCL, else the CPU."""
     import torch
