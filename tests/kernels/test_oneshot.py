@@ -1,5 +1,7 @@
 """The one-shot kernel's protocol: slot rotation, clearing, sentinel values, capacity."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -118,8 +120,8 @@ def _variants(rank, world_size, backend, case, names):
     out = []
     for name in names:
         y, h = torch.full_like(inp["xs"][rank], float("nan")), torch.full_like(inp["xs"][rank], float("nan"))
-        oneshot_allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps, y, h,
-                                      comm.workspace, rank, world_size, SPARE_PROGRAMS,
+        launch = dataclasses.replace(comm.launch, max_programs=SPARE_PROGRAMS)
+        oneshot_allreduce_add_rmsnorm(launch, inp["xs"][rank], inp["residual"], inp["weight"], case.eps, y, h,
                                       variant=OneShotVariant(**ONESHOT_VARIANTS[name]))
         out.append((y.cpu(), h.cpu()))
     return out

@@ -29,9 +29,6 @@ ONESHOT_VARIANTS = {
     "no_split_push": dict(split_push_words=0),
     # Chunks of 4096 words: two a row of 7168 or 8192, so 32 such rows fit the grid of an H200.
     "split_push_4k": dict(split_push_words=4096),
-    # A stage done twice: the difference from the default is that stage's cost (docs/kernel-notes.md).
-    "clear_twice": dict(clears=2),
-    "reduce_twice": dict(reduces=2),
 }
 # Two-shot variants "tpfuse:<name>": rows a program scatters ahead of the ones it reduces and gathers
 # (the default is twoshot.GROUP_ROWS; 0 is twoshot.ALL_ROWS, one group of all of a program's rows).
@@ -98,19 +95,7 @@ class Providers:
 
         def launcher(launch, **kwargs):
             def call():
-                launch(
-                    x,
-                    residual,
-                    weight,
-                    EPS,
-                    y,
-                    h,
-                    comm.workspace,
-                    comm.rank,
-                    comm.world_size,
-                    comm.max_programs,
-                    **kwargs,
-                )
+                launch(comm.launch, x, residual, weight, EPS, y, h, **kwargs)
                 return y
 
             return call

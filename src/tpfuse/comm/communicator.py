@@ -76,9 +76,9 @@ class Communicator:
         self.world_size = dist.get_world_size(group)
         self.device = group_device(group)
         self.backend = backend
-        self.workspace: ws.Workspace | None = None
+        self.workspace: layout.Workspace | None = None
+        self.launch: layout.LaunchContext | None = None  # what the Triton kernels' launches take
         self.flashinfer = None
-        self.max_programs = 0
         self.wait_timeout_s = float(
             wait_timeout_s or os.environ.get("TPFUSE_WAIT_TIMEOUT_S") or DEFAULT_WAIT_TIMEOUT_S)
         self._destroyed = False
@@ -113,9 +113,26 @@ class Communicator:
         # Kernel grids must match across ranks: agree on the smallest count once, here.
         agreed = torch.tensor([programs], dtype=torch.int64, device=self.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
-        self.max_programs = int(agreed.item())
+        self.launch = layout.LaunchContext(self.workspace, self.rank, self.world_size, int(agreed.item()),
+                                           self._wait_limit())
         log.info("tpfuse: group %s rank %d: workspace of %d bytes per rank region",
                  self.group_name, self.rank, self.workspace.region_bytes)
+
+    @property
+    def wait_timeout_s(self) -> float:
+        """Seconds a kernel waits for a peer before it gives up; a new value applies to later launches."""
+        return self._wait_timeout_s
+
+    @wait_timeout_s.setter
+    def wait_timeout_s(self, seconds: float) -> None:
+        self._wait_timeout_s = float(seconds)
+        if self.launch is not None:
+            self.launch.wait_limit = self._wait_limit()
+
+    def _wait_limit(self) -> int:
+        from tpfuse.kernels.protocol import wait_limit_for  # imports Triton: only where kernels run
+
+        return wait_limit_for(self._wait_timeout_s, self.device.type == "cuda")
 
     @property
     def destroyed(self) -> bool:
@@ -152,8 +169,6 @@ class Communicator:
     def run_fused(self, algorithm: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   eps: float, y: torch.Tensor, h: torch.Tensor, quant_scale: torch.Tensor | None) -> str:
         """Run one call that :meth:`choose_algorithm` gave to a fused kernel; return its stats label."""
-        from tpfuse.kernels.protocol import wait_limit_for
-
         if self.flashinfer is not None:
             self.flashinfer.run(algorithm, x, residual, weight, eps, y, h)
             return f"flashinfer.{algorithm}"
@@ -161,8 +176,7 @@ class Communicator:
             from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm as launch
         else:
             from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm as launch
-        launch(x, residual, weight, eps, y, h, self.workspace, self.rank, self.world_size, self.max_programs,
-               quant_scale, wait_limit=wait_limit_for(self.wait_timeout_s, self.device.type == "cuda"))
+        launch(self.launch, x, residual, weight, eps, y, h, quant_scale)
         return f"triton.{algorithm}"
 
     def check_usable(self) -> None:
@@ -223,7 +237,7 @@ class Communicator:
         for resource in (self.workspace, self.flashinfer):
             if resource is not None:
                 resource.release()
-        self.workspace = self.flashinfer = None
+        self.workspace = self.launch = self.flashinfer = None
 
     def destroy(self) -> None:
         """Free the workspace and leave the registry. Idempotent; not collective, so safe at exit."""

@@ -9,6 +9,8 @@ records a wait that ran out. ``tpfuse.comm.workspace`` allocates buffers of this
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 #: -0.0 in bf16 and fp16: marks a word nobody has written since it was last cleared.
@@ -51,3 +53,14 @@ class Workspace:
         self._keep_alive.clear()
         self.peer_ptrs = None
         self.state = None
+
+
+@dataclass
+class LaunchContext:
+    """What every launch of a group's kernels takes from its communicator, besides the call's tensors."""
+
+    workspace: Workspace
+    rank: int
+    world_size: int
+    max_programs: int  # programs a launch may use: the same on every rank, all resident at once
+    wait_limit: int  # the bound of every wait for a peer: ns on a GPU, polls on the CPU (wait_limit_for)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.layout import Workspace
+from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (_clear_slot, _finish_call, _multiple_of_8, _peer_base, _sendable_bits,
                                      _slots, _start_clock, _store_normed, _sum_in_rank_order,
                                      kernel_arguments, launch_config)
@@ -63,7 +63,6 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr, USE_CLOCK: tl.constexpr,
     CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr,
     SPLIT_PUSH: tl.constexpr, PUSH_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
-    CLEARS: tl.constexpr = 1, REDUCES: tl.constexpr = 1,
 ):
     hidden = _multiple_of_8(hidden)  # both checked by kernel_arguments
     region_elems = _multiple_of_8(region_elems)
@@ -94,9 +93,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         first_row = pid
         row_step = n_programs
     if CLEAR_FIRST:  # the previous slot is ours alone until our next call: clear it while data flies
-        for _ in tl.static_range(CLEARS):
-            _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD,
-                        BLOCK_H)
+        _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     failed = 0
@@ -108,18 +105,15 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         if HAS_RESIDUAL:
             res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x_bits = _sendable_bits(x_ptr, offs, mask)
-        for _ in tl.static_range(REDUCES):  # a second pass finds the rows arrived: its cost is the reduce's
-            h, limit, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask,
-                                                  limit, failed, RANK, WORLD, BLOCK_H, USE_CLOCK)
-            if HAS_RESIDUAL:
-                h += res
-            tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
-            _store_normed(h, w, y_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
+        h, limit, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask,
+                                              limit, failed, RANK, WORLD, BLOCK_H, USE_CLOCK)
+        if HAS_RESIDUAL:
+            h += res
+        tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+        _store_normed(h, w, y_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
         row += row_step
     if not CLEAR_FIRST:
-        for _ in tl.static_range(CLEARS):
-            _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD,
-                        BLOCK_H)
+        _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
     _finish_call(state_ptr, call, slot, n_tokens, hidden, failed, n_programs, RELAXED_ARRIVE)
 
 
@@ -131,10 +125,6 @@ class OneShotVariant:
     clear_first: bool = True  # clear the previous slot before waiting instead of after
     relaxed_arrive: bool = True  # relaxed instead of acq_rel atomic for the arrival count
     split_push_words: int = 2048  # > 0: where split_push_programs allows, chunks of this many words
-    # Benchmark variants: a stage done twice costs the difference (the push cannot be repeated: a
-    # second copy that no peer waits for could land after the peer has cleared the slot).
-    clears: int = 1  # clears of the previous slot (the second finds it clear, and writes it again)
-    reduces: int = 1  # passes over each row: wait, sum, residual, norm, stores (the second waits for nothing)
 
 
 DEFAULT_VARIANT = OneShotVariant()
@@ -154,39 +144,34 @@ def split_push_programs(n_tokens: int, hidden: int, programs: int, max_programs:
 
 
 def oneshot_allreduce_add_rmsnorm(
+    ctx: LaunchContext,
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     y: torch.Tensor,
     h: torch.Tensor,
-    workspace: Workspace,
-    rank: int,
-    world_size: int,
-    max_programs: int,
     quant_scale: torch.Tensor | None = None,
-    wait_limit: int | None = None,
     variant: OneShotVariant = DEFAULT_VARIANT,
 ) -> None:
     """Launch the one-shot kernel: writes ``y`` and ``h``. Inputs are checked by the caller.
 
-    ``max_programs`` must be the same on every rank and small enough that all programs are resident
+    ``ctx.max_programs`` must be the same on every rank and small enough that all programs are resident
     at once (a program waits for the same program of its peers).
     """
     n_tokens, hidden = x.shape
-    args, flags = kernel_arguments(x, residual, weight, eps, y, h, workspace, quant_scale, wait_limit)
+    args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant.pdl)
     # One row a program, at most max_programs (the grid must be resident). Two large rows a program
     # from 65 tokens on stopped paying once rows moved 16 bytes an access: one row a program
     # made 7168/8192 x 80-128 tokens 12-18% shorter on 2 x H200 (docs/kernel-notes.md).
-    programs = min(n_tokens, max_programs)
-    pushers = split_push_programs(n_tokens, hidden, programs, max_programs, variant.split_push_words)
+    programs = min(n_tokens, ctx.max_programs)
+    pushers = split_push_programs(n_tokens, hidden, programs, ctx.max_programs, variant.split_push_words)
     block_c = variant.split_push_words if pushers else block_h  # a split row is wider than a chunk
     push_chunks = triton.cdiv(hidden, block_c)
     _oneshot_allreduce_add_rmsnorm_kernel[(pushers + programs,)](
-        *args, pushers, RANK=rank, WORLD=world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
+        *args, pushers, RANK=ctx.rank, WORLD=ctx.world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
         CLEAR_FIRST=variant.clear_first, RELAXED_ARRIVE=variant.relaxed_arrive,
         SPLIT_PUSH=pushers > 0, PUSH_CHUNKS=push_chunks, BLOCK_C=block_c,
-        CLEARS=variant.clears, REDUCES=variant.reduces,
         num_warps=num_warps, launch_pdl=use_pdl,
     )

@@ -15,7 +15,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globalti
 
 from tpfuse.kernels import layout
 from tpfuse.kernels.fp8 import fp32_to_e4m3fn_bits
-from tpfuse.kernels.layout import Workspace
+from tpfuse.kernels.layout import LaunchContext
 
 # Globals a jitted function reads must be constexpr objects.
 _SENTINEL = tl.constexpr(layout.SENTINEL)
@@ -54,15 +54,14 @@ def launch_config(hidden: int, device: torch.device, pdl: bool = True) -> tuple[
 
 
 def kernel_arguments(
+    ctx: LaunchContext,
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     y: torch.Tensor,
     h: torch.Tensor,
-    workspace: Workspace,
     quant_scale: torch.Tensor | None,
-    wait_limit: int | None,
 ) -> tuple[tuple, dict]:
     """Both kernels' leading positional arguments, in order, and the flags that follow from them.
 
@@ -70,9 +69,7 @@ def kernel_arguments(
     is written as bytes.
     """
     n_tokens, hidden = x.shape
-    on_gpu = x.device.type == "cuda"
-    if wait_limit is None:
-        wait_limit = wait_limit_for(DEFAULT_WAIT_TIMEOUT_S, on_gpu)
+    workspace = ctx.workspace
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == layout.STATE_LEN
     # The kernels take both for multiples of 8 (16-byte rows); select.kernel_supports admits no others.
     assert hidden % 8 == 0 and workspace.region_elems % 8 == 0, (hidden, workspace.region_elems)
@@ -80,8 +77,9 @@ def kernel_arguments(
             y.view(torch.uint8) if quant_scale is not None else y, h,
             quant_scale if quant_scale is not None else weight,
             workspace.peer_ptrs, workspace.state,
-            n_tokens, hidden, workspace.region_elems, eps, wait_limit)
-    flags = dict(HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None, USE_CLOCK=on_gpu)
+            n_tokens, hidden, workspace.region_elems, eps, ctx.wait_limit)
+    flags = dict(HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None,
+                 USE_CLOCK=x.device.type == "cuda")
     return args, flags
 
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.layout import Workspace
+from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (_clear_slot, _finish_call, _multiple_of_8, _peer_base, _sendable,
                                      _sendable_bits, _slots, _start_clock, _store_normed, _sum_in_rank_order,
                                      _wait_row, kernel_arguments, launch_config)
@@ -187,18 +187,14 @@ GROUP_ROWS = 4
 
 
 def twoshot_allreduce_add_rmsnorm(
+    ctx: LaunchContext,
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     y: torch.Tensor,
     h: torch.Tensor,
-    workspace: Workspace,
-    rank: int,
-    world_size: int,
-    max_programs: int,
     quant_scale: torch.Tensor | None = None,
-    wait_limit: int | None = None,
     group_rows: int = GROUP_ROWS,
 ) -> None:
     """Launch the two-shot kernel: writes ``y`` and ``h``. Same contract as the one-shot launcher.
@@ -207,11 +203,11 @@ def twoshot_allreduce_add_rmsnorm(
     no more rows than that, and :data:`ALL_ROWS`, take all of their rows as one group.
     """
     n_tokens, hidden = x.shape
-    args, flags = kernel_arguments(x, residual, weight, eps, y, h, workspace, quant_scale, wait_limit)
+    args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device)
-    programs = min(n_tokens, max_programs)
+    programs = min(n_tokens, ctx.max_programs)
     _twoshot_allreduce_add_rmsnorm_kernel[(programs,)](
-        *args, group_rows, RANK=rank, WORLD=world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
+        *args, group_rows, RANK=ctx.rank, WORLD=ctx.world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
         GROUPED=group_rows != ALL_ROWS and n_tokens > group_rows * programs,
         num_warps=num_warps, launch_pdl=use_pdl,
     )
