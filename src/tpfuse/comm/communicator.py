@@ -257,6 +257,26 @@ class Communicator:
                 f"device={self.device}, backend={self.backend!r}, {state})")
 
 
+def check_sizes(max_tokens: int | None, hidden: int | None, wait_timeout_s: float | None) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the first bad size (before anything is allocated)."""
+    import math
+
+    for name, value in (("max_tokens", max_tokens), ("hidden", hidden)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"tpfuse: {name} must be an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"tpfuse: {name} must be >= 1, got {value}")
+    if hidden is not None and hidden % select.HIDDEN_MULTIPLE:
+        raise ValueError(f"tpfuse: hidden must be a multiple of {select.HIDDEN_MULTIPLE} (the kernels move "
+                         f"rows 16 bytes at a time), got {hidden}")
+    if wait_timeout_s is not None and not (isinstance(wait_timeout_s, (int, float)) and
+                                           math.isfinite(wait_timeout_s) and wait_timeout_s > 0):
+        raise ValueError(f"tpfuse: wait_timeout_s must be a finite number of seconds > 0, "
+                         f"got {wait_timeout_s!r}")
+
+
 def get_communicator(
     group: dist.ProcessGroup | None = None,
     *,
@@ -277,7 +297,7 @@ def get_communicator(
         The default group when None.
     max_tokens, hidden : int, optional
         Size the workspace for calls of up to ``max_tokens`` rows of ``hidden`` 16-bit elements
-        (defaults 512 and 8192: 8 MiB a rank a slot).
+        (defaults 512 and 8192: 8 MiB a rank a slot). Positive ints; ``hidden`` a multiple of 8.
     backend : str, optional
         ``"triton"`` (default), ``"flashinfer"`` or ``"reference"``; ``$TPFUSE_BACKEND`` sets the
         default. Fixed when the communicator is created: asking for another one later raises.
@@ -285,6 +305,7 @@ def get_communicator(
         How long a kernel waits for a peer before it gives up and flags an error (default 10 s, or
         ``$TPFUSE_WAIT_TIMEOUT_S``); see :meth:`Communicator.check_errors`.
     """
+    check_sizes(max_tokens, hidden, wait_timeout_s)
     group = resolve_group(group)
     chosen = backend or os.environ.get("TPFUSE_BACKEND") or "triton"
     if chosen not in BACKENDS:

@@ -51,6 +51,13 @@ def check_inputs(
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
 
+    for name, t in (("residual", residual), ("weight", weight), ("quant_scale", quant_scale), ("out", out),
+                    ("residual_out", residual_out)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor{'' if name == 'weight' else ' or None'}, "
+                            f"got {type(t).__name__}")
+    if weight is None:
+        raise TypeError("weight must be a tensor (the RMSNorm gain), got None")
     if residual is not None:
         if residual.dtype != x.dtype:
             raise TypeError(f"residual has dtype {residual.dtype} but x has {x.dtype}")
@@ -83,6 +90,15 @@ def check_inputs(
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
         same_place(t, name)
+    if out is not None and residual_out is not None and _overlap(out, residual_out):
+        raise ValueError("out and residual_out share memory; y and h must go to separate tensors")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share any byte."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.numel() * b.element_size() and \
+        b0 < a0 + a.numel() * a.element_size()
 
 
 def _debug() -> bool:
