@@ -15,7 +15,7 @@ from tpfuse.comm import workspace as ws
 from tpfuse.kernels import layout
 from tpfuse.kernels.reference import add_rmsnorm_reference
 from tpfuse.testing import forced_table, rank_backends, rank_device
-from tpfuse.testing.cases import Case
+from tpfuse.testing.cases import Case, check_results
 
 BACKENDS = rank_backends()
 
@@ -191,3 +191,39 @@ def test_hundred_communicators_leave_nothing_behind(rank_pool, backend):
 def test_hundred_communicators_give_gpu_memory_back(rank_pool):
     for report in rank_pool(2, "nccl").run(_many_communicators, "nccl", timeout=900):
         assert report["GPU memory kept"] < 64 << 20, report["GPU memory kept"]
+
+
+def _second_thread(rank, world_size):
+    import threading
+
+    tpfuse.destroy_all()
+    tpfuse.get_communicator(max_tokens=16, hidden=512, wait_timeout_s=30.0)
+    case = Case(5, 512, seed=3)
+    inp = case.inputs(world_size, torch.device("cpu"))
+
+    def call():
+        return tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
+
+    out = {}
+    if rank == 1:
+        time.sleep(1.0)  # rank 0's first call is still waiting for this one when its second thread calls
+        out["first"] = call()
+    else:
+        worker = threading.Thread(target=lambda: out.update(first=call()))
+        worker.start()
+        time.sleep(0.3)
+        try:
+            call()
+            out["second"] = "no error"
+        except RuntimeError as exc:
+            out["second"] = str(exc)
+        worker.join()
+    out["after"] = call()  # the communicator still serves the ranks' next call
+    return out
+
+
+def test_a_call_from_a_second_thread_is_refused(rank_pool):
+    results = rank_pool(2).run(_second_thread, timeout=300)
+    assert "a fused call came from a second thread" in results[0]["second"], results[0]["second"]
+    for key in ("first", "after"):  # the calls that ran: right on both ranks, bit-identical
+        check_results(Case(5, 512, seed=3), 2, [r[key] for r in results])

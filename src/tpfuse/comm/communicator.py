@@ -82,6 +82,7 @@ class Communicator:
         self.wait_timeout_s = float(
             wait_timeout_s or os.environ.get("TPFUSE_WAIT_TIMEOUT_S") or DEFAULT_WAIT_TIMEOUT_S)
         self._destroyed = False
+        self._busy = threading.Lock()  # held while a fused call runs: one thread at a time (see run_fused)
         self._error: str | None = None  # set once a kernel's wait ran out: the communicator is unusable
         self._allocate(max_tokens, hidden)
 
@@ -168,7 +169,23 @@ class Communicator:
 
     def run_fused(self, algorithm: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   eps: float, y: torch.Tensor, h: torch.Tensor, quant_scale: torch.Tensor | None) -> str:
-        """Run one call that :meth:`choose_algorithm` gave to a fused kernel; return its stats label."""
+        """Run one call that :meth:`choose_algorithm` gave to a fused kernel; return its stats label.
+
+        One thread at a time: a call made while another thread's call of this communicator is running
+        raises. Serialising them would not do: each rank would pair its calls with the peers' in
+        whatever order its threads happened to run, and mismatched calls give garbage or time out.
+        """
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"tpfuse: group {self.group_name!r} rank {self.rank}: a fused call came from a second thread "
+                "while one was running; a communicator serves one thread at a time (give each thread its "
+                "own process group and communicator)")
+        try:
+            return self._run_fused(algorithm, x, residual, weight, eps, y, h, quant_scale)
+        finally:
+            self._busy.release()
+
+    def _run_fused(self, algorithm, x, residual, weight, eps, y, h, quant_scale) -> str:
         if self.flashinfer is not None:
             self.flashinfer.run(algorithm, x, residual, weight, eps, y, h)
             return f"flashinfer.{algorithm}"
@@ -289,7 +306,8 @@ def get_communicator(
 
     Creating or growing is collective: every rank of the group must make the same call. A second
     call returns the same object; with a larger ``max_tokens * hidden`` than it holds, it grows the
-    workspace first. Thread-safe.
+    workspace first. Getting a communicator is thread-safe; its fused calls come from one thread at a
+    time (a call from a second thread while one runs raises, see :meth:`Communicator.run_fused`).
 
     Parameters
     ----------
