@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tpfuse
+from tpfuse.comm.communicator import check_sizes
 from tpfuse.comm.workspace import SHM_DIR, SHM_PREFIX
 from tpfuse.ops.allreduce_add_rmsnorm import check_inputs
 
@@ -25,6 +26,12 @@ def test_communicator_sizes_are_checked_before_anything_is_made(kwargs, error, w
     with pytest.raises(error, match=words):
         tpfuse.get_communicator(**kwargs)  # no process group needed: the check comes first
     assert set(glob.glob(f"{SHM_DIR}/{SHM_PREFIX}*")) == before
+
+
+def test_integer_like_sizes_are_accepted():
+    import numpy as np
+
+    check_sizes(np.int64(16), 4096, 2)  # numpy ints and an int timeout are sizes like any other
 
 
 def _args(**changes):

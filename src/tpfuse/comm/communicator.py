@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
+import numbers
 import os
 import threading
 
@@ -276,19 +278,17 @@ class Communicator:
 
 def check_sizes(max_tokens: int | None, hidden: int | None, wait_timeout_s: float | None) -> None:
     """Raise ``ValueError``/``TypeError`` naming the first bad size (before anything is allocated)."""
-    import math
-
     for name, value in (("max_tokens", max_tokens), ("hidden", hidden)):
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"tpfuse: {name} must be an int, got {type(value).__name__}")
         if value < 1:
             raise ValueError(f"tpfuse: {name} must be >= 1, got {value}")
     if hidden is not None and hidden % select.HIDDEN_MULTIPLE:
         raise ValueError(f"tpfuse: hidden must be a multiple of {select.HIDDEN_MULTIPLE} (the kernels move "
                          f"rows 16 bytes at a time), got {hidden}")
-    if wait_timeout_s is not None and not (isinstance(wait_timeout_s, (int, float)) and
+    if wait_timeout_s is not None and not (isinstance(wait_timeout_s, numbers.Real) and
                                            math.isfinite(wait_timeout_s) and wait_timeout_s > 0):
         raise ValueError(f"tpfuse: wait_timeout_s must be a finite number of seconds > 0, "
                          f"got {wait_timeout_s!r}")
@@ -324,6 +324,7 @@ def get_communicator(
         ``$TPFUSE_WAIT_TIMEOUT_S``); see :meth:`Communicator.check_errors`.
     """
     check_sizes(max_tokens, hidden, wait_timeout_s)
+    max_tokens, hidden = (None if v is None else int(v) for v in (max_tokens, hidden))  # numpy ints too
     group = resolve_group(group)
     chosen = backend or os.environ.get("TPFUSE_BACKEND") or "triton"
     if chosen not in BACKENDS:
