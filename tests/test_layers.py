@@ -5,12 +5,14 @@ demo and testing helpers sit on top and may import anything.
 """
 
 import ast
+import functools
 import pathlib
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 LAYERS = ["_stats", "select", "kernels", "comm", "ops", "compiler"]  # lowest first
 
 
+@functools.cache  # every _imports call asks for it
 def _modules() -> dict[str, pathlib.Path]:
     out = {}
     for path in (SRC / "tpfuse").rglob("*.py"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tpfuse.testing import RankPool, rank_device
+from tpfuse.testing import RankPool, fused_calls, rank_device
 from tpfuse.testing.cases import Case, check_results
 
 DEMO_CASES = [
@@ -59,12 +59,6 @@ def is_near_tie(margin: float, noise: float, largest_logit: float) -> bool:
     return margin <= 2 * noise and noise <= 0.05 * largest_logit
 
 
-def _kernel_calls() -> int:
-    import tpfuse
-
-    return sum(n for label, n in tpfuse.stats().items() if label.startswith("triton."))
-
-
 def _demo_model(rank, world_size, backend):
     import tpfuse
     from tpfuse.models import Transformer
@@ -79,12 +73,12 @@ def _demo_model(rank, world_size, backend):
         tpfuse.reset_stats()
         diff = (compiled(ids).float() - model(ids).float()).abs().max().item()
     # Fused sites that ran in one forward (also right when Inductor loads the graph from its cache).
-    fused = _kernel_calls()
+    fused = fused_calls(backends=("triton",))
     eager_ids, _ = _greedy(model, device, NEW_TOKENS)
     tpfuse.reset_stats()
     compiled_ids, top = _greedy(compiled, device, NEW_TOKENS)
     result = {"fused": fused, "diff": diff, "top": top, "eager": eager_ids, "compiled": compiled_ids,
-              "kernel_calls": _kernel_calls()}
+              "kernel_calls": fused_calls(backends=("triton",))}
     if compiled_ids != eager_ids:  # where they part, was the unfused model's choice a near-tie?
         step = next(i for i, (a, b) in enumerate(zip(eager_ids, compiled_ids)) if a != b)
         prefix = torch.tensor(eager_ids[:step], device=device)

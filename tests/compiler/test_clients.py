@@ -19,15 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import tpfuse
+from tpfuse.testing import fused_calls
 
 LIMIT, HIDDEN = 16, 64
 # (batch, seq): 6 and 14 tokens fuse, 28 and 40 do not. Even batches: DTensor's sharding propagation
 # guards on batch % 2 and would recompile (for the plain torch.compile as well).
 BELOW, ABOVE = [(2, 3), (2, 7)], [(4, 7), (2, 20)]
-
-
-def _kernel_calls() -> int:
-    return sum(n for key, n in tpfuse.stats().items() if key.startswith("triton."))
 
 
 def _check_model(model, make_input, shapes):
@@ -44,7 +41,7 @@ def _check_model(model, make_input, shapes):
         expected, got = (getattr(t, "logits", t).float() for t in (expected, got))
         assert got.shape == expected.shape
         difference = ((got - expected).abs().max() / expected.abs().max()).item()
-        runs.append(((batch, seq), difference, _kernel_calls()))
+        runs.append(((batch, seq), difference, fused_calls(backends=("triton",))))
     reports = compiled.tpfuse_backend.reports
     return runs, dict(compiled.tpfuse_backend.compiles), [[str(s) for s in graph] for graph in reports]
 

@@ -11,7 +11,7 @@ from torch import nn
 import tpfuse
 from tpfuse.models import Transformer
 from tpfuse.models.llama import HFRMSNorm
-from tpfuse.testing import rank_backends, rank_device
+from tpfuse.testing import fused_calls, rank_backends, rank_device
 
 BACKENDS = rank_backends()
 
@@ -119,7 +119,7 @@ def _fused_on_a_fresh_cache(rank, world_size, backend, comm_backend):
           functorch_config.patch(enable_autograd_cache=False)):
         tpfuse.reset_stats()
         compiled(ids)
-    calls = sum(n for k, n in tpfuse.stats().items() if k.startswith(("triton.", "flashinfer.")))
+    calls = fused_calls()
     tpfuse.destroy_all()
     return _sites_fused(compiled.tpfuse_backend)[0], calls
 

@@ -7,7 +7,7 @@ import torch
 import tpfuse
 from tpfuse.models import Transformer
 from tpfuse.models.llama import PRESETS
-from tpfuse.testing import rank_device
+from tpfuse.testing import fused_calls, rank_device
 
 
 def _prefill_then_decode(fn, tokens, device):
@@ -35,7 +35,7 @@ def _decode(rank, world_size):
         eager = _prefill_then_decode(model, tokens, device)
         tpfuse.reset_stats()
         compiled = _prefill_then_decode(tpfuse.compile(model), tokens, device)
-        out["fused calls"] = sum(n for k, n in tpfuse.stats().items() if k.startswith("triton."))
+        out["fused calls"] = fused_calls(backends=("triton",))
         out["compiled vs eager (bf16)"] = (compiled - eager).abs().max().item() / eager.abs().max().item()
     return out
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from tpfuse.bench.output import pyplot, write_csv
 from tpfuse.bench.timing import progress
+from tpfuse.testing import fused_calls
 
 PROVIDERS = ("unfused", "tpfuse", "flashinfer")
 
@@ -46,22 +47,26 @@ def _ms_per_call(fn, device: torch.device, iters: int = 20, repeats: int = 5) ->
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            began = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        if cuda:
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) / iters)
-        else:
-            samples.append((time.perf_counter() - began) * 1000 / iters)
+        samples.append(_elapsed_ms(fn, iters, cuda) / iters)
     t = torch.tensor([sorted(samples)[len(samples) // 2]], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
+
+
+def _elapsed_ms(fn, calls: int, cuda: bool) -> float:
+    """Milliseconds ``calls`` back-to-back calls of ``fn`` take: CUDA events on a GPU, else wall clock."""
+    if not cuda:
+        began = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - began) * 1000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
 
 
 def _compiled(provider: str, model, max_tokens: int, hidden: int, mode: str):
@@ -113,7 +118,8 @@ class StepProfile:
 
 
 def profile_step(fn: Callable[[], object], device: torch.device, steps: int = 10) -> StepProfile:
-    """Run ``fn`` ``steps`` times under ``torch.profiler`` (after warm-up): per-kernel time per step.
+    """Run ``fn`` ``steps`` times under ``torch.profiler``: per-kernel time per step. Call it warm
+    (:func:`time_providers` profiles right after timing the same calls).
 
     On a GPU the kernels inside CUDA-graph replays are counted one by one; the gap between the step
     time and the busy time is time the GPU waited for the host.
@@ -121,21 +127,10 @@ def profile_step(fn: Callable[[], object], device: torch.device, steps: int = 10
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
-    for _ in range(3 if cuda else 1):
-        fn()
     if cuda:
         torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        began = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        if cuda:
-            end.record()
-            torch.cuda.synchronize()
-        elapsed_ms = start.elapsed_time(end) if cuda else (time.perf_counter() - began) * 1000
+        elapsed_ms = _elapsed_ms(fn, steps, cuda)
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     kernels = collections.Counter()
     for event in prof.events():
@@ -185,7 +180,7 @@ def time_providers(rank: int, model, hidden: int, max_tokens: int, workloads: li
                 w.reset()
                 tpfuse.reset_stats()
                 logits = w.step(fn).float().clone()
-                fused = sum(n for k, n in tpfuse.stats().items() if k.startswith(("triton.", "flashinfer.")))
+                fused = fused_calls()
                 rows[name][f"{provider}_ms"] = _ms_per_call(lambda: w.step(fn), device, iters)
                 if profile_steps:
                     profile = profile_step(lambda: w.step(fn), device, profile_steps)

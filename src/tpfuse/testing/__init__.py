@@ -26,6 +26,20 @@ DEFAULT_TIMEOUT_S = 300.0
 FAILURE_GRACE_S = 10.0
 
 
+def fused_calls(counts: dict[str, int] | None = None,
+                backends: tuple[str, ...] = ("triton", "flashinfer")) -> int:
+    """Fused kernel calls among ``counts`` (default: :func:`tpfuse.stats` now) made by ``backends``.
+
+    The op counts each call as ``"<backend>.<algorithm>"``; the reference path and the compiler's own
+    counts are not kernel calls.
+    """
+    if counts is None:
+        import tpfuse
+
+        counts = tpfuse.stats()
+    return sum(n for label, n in counts.items() if label.startswith(tuple(f"{b}." for b in backends)))
+
+
 def rank_backends() -> list[str]:
     """Process-group backends the multi-rank tests run on: gloo always (CPU ranks, kernels in the
     Triton interpreter), NCCL too where this machine has two or more GPUs."""
