@@ -70,7 +70,7 @@ def _poisoned_no_residual(rank, world_size, backend, case, poison):
     h = torch.full_like(y, poison)
     if comm.workspace is not None and backend == "gloo":
         # Our own region of every slot is never read: fill it with garbage too.
-        buf = comm.workspace._keep_alive[rank].view(NUM_SLOTS, world_size, -1)
+        buf = comm.workspace.regions()
         buf[:, rank].fill_(0x3C00)
     tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], None, inp["weight"], case.eps, out=y, residual_out=h)
     return y.cpu(), h.cpu()

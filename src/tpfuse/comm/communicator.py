@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse import select
+from tpfuse.comm import agreement
 from tpfuse.comm import workspace as ws
 from tpfuse.kernels import kernels_usable, layout
 
@@ -20,6 +21,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_HIDDEN = 8192
+#: How long a kernel waits for a peer before it flags an error and returns (see docs/reliability.md).
+DEFAULT_WAIT_TIMEOUT_S = 10.0
 #: Where fused calls run: our Triton kernels, FlashInfer's kernels (optional), or always the group's
 #: own all-reduce. ``$TPFUSE_BACKEND`` picks the default.
 BACKENDS = ("triton", "flashinfer", "reference")
@@ -70,8 +73,6 @@ class Communicator:
 
     def __init__(self, group: dist.ProcessGroup, max_tokens: int, hidden: int, backend: str,
                  wait_timeout_s: float | None = None):
-        from tpfuse.kernels.protocol import DEFAULT_WAIT_TIMEOUT_S
-
         self.group = group
         self.group_name = group.group_name
         self.rank = dist.get_rank(group)
@@ -85,8 +86,37 @@ class Communicator:
             wait_timeout_s or os.environ.get("TPFUSE_WAIT_TIMEOUT_S") or DEFAULT_WAIT_TIMEOUT_S)
         self._destroyed = False
         self._busy = threading.Lock()  # held while a fused call runs: one thread at a time (see run_fused)
-        self._error: str | None = None  # set once a kernel's wait ran out: the communicator is unusable
+        self._error: str | None = None  # set once a fused call failed: the communicator is unusable
+        self._agree(max_tokens, hidden, "set-up")
+        agreement.reset_numbers(self.group_name)
         self._allocate(max_tokens, hidden)
+
+    def _agree(self, max_tokens: int, hidden: int, what: str) -> None:
+        """Check, once per set-up or growth, that every rank has what decides the path of a call.
+
+        The same call must take the same path on every rank (a fused kernel, or the group's
+        all-reduce): the backend, the workspace's size, whether the kernels can run here, and the
+        algorithm table (a tuned table or ``$TPFUSE_TUNE_TABLE`` present on one node only would make
+        ranks choose differently). Raises :class:`agreement.Disagreement` naming the value and each
+        rank's, on every rank; also serves as the barrier before a workspace is (re)allocated.
+        """
+        if self.world_size < 2:
+            return
+        agreement.exchange(self.group, {
+            "record": agreement.SETUP,
+            "backend": BACKENDS.index(self.backend),
+            "max_tokens": max_tokens,
+            "hidden": hidden,
+            "kernels usable": int(kernels_usable(self.device)),
+            "algorithm table": int(self._table_digest(), 16),
+        }, self.wait_timeout_s, f"the {what} of the communicator of group {self.group_name!r}")
+
+    def _table_digest(self) -> str:
+        import hashlib
+        import json
+
+        table = select.algorithm_table(self.world_size, self.device).to_json()
+        return hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:12]
 
     def _allocate(self, max_tokens: int, hidden: int) -> None:
         if self.world_size < 2 or self.backend == "reference":
@@ -117,7 +147,7 @@ class Communicator:
         agreed = torch.tensor([programs], dtype=torch.int64, device=self.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
         self.launch = layout.LaunchContext(self.workspace, self.rank, self.world_size, int(agreed.item()),
-                                           self._wait_limit())
+                                           self._wait_limit_ns())
         log.info("tpfuse: group %s rank %d: workspace of %d bytes per rank region",
                  self.group_name, self.rank, self.workspace.region_bytes)
 
@@ -130,12 +160,10 @@ class Communicator:
     def wait_timeout_s(self, seconds: float) -> None:
         self._wait_timeout_s = float(seconds)
         if self.launch is not None:
-            self.launch.wait_limit = self._wait_limit()
+            self.launch.wait_limit_ns = self._wait_limit_ns()
 
-    def _wait_limit(self) -> int:
-        from tpfuse.kernels.protocol import wait_limit_for  # imports Triton: only where kernels run
-
-        return wait_limit_for(self._wait_timeout_s, self.device.type == "cuda")
+    def _wait_limit_ns(self) -> int:
+        return int(self._wait_timeout_s * 1e9)
 
     @property
     def destroyed(self) -> bool:
@@ -154,18 +182,14 @@ class Communicator:
 
     def fusion_signature(self) -> str:
         """What decides which calls of this group can fuse: backend, world size, workspace, table."""
-        import hashlib
-        import json
-
-        table = select.algorithm_table(self.world_size, self.device).to_json()
-        digest = hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:12]
-        return f"{self.group_name}:{self.backend}:{self.world_size}:{self.workspace_bytes}:{digest}"
+        return (f"{self.group_name}:{self.backend}:{self.world_size}:{self.workspace_bytes}:"
+                f"{self._table_digest()}")
 
     def choose_algorithm(self, n_tokens: int, hidden: int, dtype: torch.dtype,
                          quantized: bool = False) -> str:
         """The algorithm a call of this group runs (see :func:`tpfuse.select.choose_algorithm`)."""
-        if quantized and self.flashinfer is not None:
-            return select.REFERENCE  # not wired to FlashInfer's fp8 pattern
+        if self.flashinfer is not None and (quantized or n_tokens == 0):
+            return select.REFERENCE  # not wired to FlashInfer's fp8 pattern; FlashInfer takes no empty call
         return select.choose_algorithm(n_tokens, hidden, dtype, self.world_size, self.workspace_bytes,
                                        self.device)
 
@@ -205,36 +229,52 @@ class Communicator:
         if self._error is not None:
             raise RuntimeError(self._error)
 
-    def check_errors(self) -> None:
-        """Raise if a fused call of this group timed out waiting for a peer (reads a device flag).
+    def check_errors(self, waited_s: float | None = None) -> None:
+        """Raise if a fused call of this group failed (reads the device's error entry).
 
-        On a GPU this synchronises with the device, so call it where you synchronise anyway (after a
-        decode step, say); on the CPU and with ``TPFUSE_DEBUG=1`` every call checks by itself. After a
-        timeout the workspace holds data of an unfinished call: the communicator stays unusable
+        A fused call fails when a peer's call differs from ours (its shape, dtype, residual, fp8
+        output, algorithm or workspace: every kernel compares the peers' call descriptors with its own)
+        or when a wait for a peer ran out (a rank stalled or died, or made no fused call). Its rows of
+        ``y`` and ``h`` are NaN, never plausible data. On a GPU this synchronises with the device, so
+        call it where you synchronise anyway (after a decode step, say); on the CPU and with
+        ``TPFUSE_DEBUG=1`` every call checks by itself (``waited_s``: how long that call took). After
+        a failure the workspace holds data of an unfinished call: the communicator stays unusable
         (every later call raises) until it is destroyed and created again, on every rank.
         """
         self.check_usable()
         if self.workspace is None:
             return
         state = self.workspace.state.tolist()
-        failed_call, tokens, hidden = (state[i] for i in (layout.STATE_ERROR, layout.STATE_ERROR_TOKENS,
-                                                          layout.STATE_ERROR_HIDDEN))
-        if failed_call:
+        failed_call = state[layout.STATE_ERROR]
+        if not failed_call:
+            return
+        own = state[layout.STATE_ERROR_OWN:layout.STATE_ERROR_OWN + layout.DESC_WORDS]
+        where = f"tpfuse: group {self.group_name!r} rank {self.rank}: fused call #{failed_call}"
+        peer = state[layout.STATE_ERROR_PEER] - 1
+        if peer >= 0:
+            seen = state[layout.STATE_ERROR_SEEN:layout.STATE_ERROR_SEEN + layout.DESC_WORDS]
             self._error = (
-                f"tpfuse: group {self.group_name!r} rank {self.rank}: fused call #{failed_call} "
-                f"({tokens} x {hidden}) gave up after waiting "
-                f"{self.wait_timeout_s:g} s for a peer: a rank stalled or died, or the ranks' calls did not "
-                "match (TPFUSE_DEBUG=1 compares them). Destroy this communicator and create a new one.")
-            raise RuntimeError(self._error)
+                f"{where} ({layout.explain_descriptor(own, seen)}) does not match rank {peer}'s call "
+                f"({layout.explain_descriptor(seen, own)}): every rank must make the same calls in the same order. "
+                "Its outputs are NaN. Destroy this communicator and create a new one, on every rank.")
+        else:
+            waited = self.wait_timeout_s if waited_s is None else waited_s
+            self._error = (
+                f"{where} ({layout.explain_descriptor(own)}) gave up after waiting {waited:.3g} s for a peer "
+                f"(wait_timeout_s={self.wait_timeout_s:g}): a rank stalled or died, or made no fused call "
+                "(a reference-path call, say). Its outputs are NaN. Destroy this communicator and create a "
+                "new one, on every rank.")
+        raise RuntimeError(self._error)
 
     def check_call_matches(self, n_tokens: int, hidden: int, dtype: torch.dtype, algorithm: str) -> None:
-        """Debug mode: compare this call with every rank's (a collective); raise naming any mismatch."""
-        mine = (n_tokens, hidden, str(dtype).replace("torch.", ""), algorithm)
-        calls = [None] * self.world_size
-        dist.all_gather_object(calls, mine, group=self.group)
-        if any(call != mine for call in calls):
-            detail = "; ".join(f"rank {r}: {c[0]} x {c[1]} {c[2]} {c[3]}" for r, c in enumerate(calls))
-            raise RuntimeError(f"tpfuse: group {self.group_name!r}: the ranks' fused calls differ ({detail})")
+        """Compare this call with every rank's (a bounded exchange); raise naming any difference.
+
+        For backends whose kernels do not compare calls themselves (FlashInfer), in debug mode.
+        """
+        agreement.exchange(self.group, {
+            "record": agreement.FUSED_CALL, "tokens": n_tokens, "hidden": hidden,
+            "dtype": agreement.DTYPE_CODES.get(dtype, 0), "algorithm": select.ALGORITHMS.index(algorithm),
+        }, self.wait_timeout_s, f"a fused call ({n_tokens} x {hidden})")
 
     def ensure_capacity(self, max_tokens: int, hidden: int) -> None:
         """Grow the workspace to hold ``max_tokens`` rows of ``hidden`` (collective when it grows)."""
@@ -248,7 +288,7 @@ class Communicator:
                     "capture; size it with tpfuse.get_communicator(max_tokens=..., hidden=...) first"
                 )
             torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)  # no peer may still be pushing into the old buffers
+        self._agree(max_tokens, hidden, "growth")  # also the barrier: no peer still pushes into the old buffers
         self._release()
         self._allocate(max_tokens, hidden)
 

@@ -1,7 +1,7 @@
 """Peer-mapped buffers the kernels push into: torch symmetric memory on CUDA, shared files on CPU.
 
-Each rank owns one buffer of ``NUM_SLOTS * world_size * region_elems`` 16-bit words, filled with
-the sentinel, plus a small private state vector the kernels use to rotate slots. Every rank holds a
+Each rank owns one buffer of ``layout.buffer_elems`` 16-bit words (the slots, then the call
+descriptors), filled with the sentinel, plus a small private state vector the kernels use to rotate slots. Every rank holds a
 table of the device addresses of all ranks' buffers (``peer_ptrs``): kernels reach peers only
 through it, never through tensor arguments (the Triton interpreter copies tensor arguments back
 after a launch, which would overwrite what peers wrote meanwhile).
@@ -17,14 +17,14 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from tpfuse.kernels.layout import NUM_SLOTS, SENTINEL, STATE_LEN, Workspace
+from tpfuse.kernels.layout import SENTINEL, STATE_LEN, Workspace, buffer_elems
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "tpfuse-"
 
 
 def _buffer_elems(region_elems: int, world_size: int) -> int:
-    total = NUM_SLOTS * world_size * region_elems
+    total = buffer_elems(region_elems, world_size)
     if total >= 2**31:  # the kernels index buffers with 32-bit slot offsets
         raise ValueError(f"workspace of {total} words per rank is too large; ask for fewer tokens")
     return total
@@ -56,7 +56,7 @@ def allocate_cuda(group: dist.ProcessGroup, region_elems: int, device: torch.dev
     state = torch.zeros(STATE_LEN, dtype=torch.int32, device=device)
     torch.cuda.synchronize(device)
     dist.barrier(group=group)  # every rank's sentinel fill is done before anyone pushes
-    return Workspace(region_elems, peer_ptrs, state, [buf, handle])
+    return Workspace(region_elems, buf, peer_ptrs, state, [handle])
 
 
 def remove_stale_shm_files() -> int:
@@ -114,4 +114,4 @@ def allocate_shared_files(group: dist.ProcessGroup, region_elems: int) -> Worksp
     os.unlink(paths[rank])
     peer_ptrs = torch.tensor([t.data_ptr() for t in mapped], dtype=torch.int64)
     state = torch.zeros(STATE_LEN, dtype=torch.int32)
-    return Workspace(region_elems, peer_ptrs, state, mapped)
+    return Workspace(region_elems, own, peer_ptrs, state, mapped)

@@ -1,4 +1,4 @@
-"""Whole-word loads and stores of 16-bit data in Triton's CPU interpreter, for the shared-file workspace.
+"""Triton's CPU interpreter made fit for the shared-file workspace: whole-word 16-bit accesses, a clock.
 
 The kernels detect a peer's data word by word: a 16-bit word has arrived once it no longer holds the
 sentinel. That needs each word to be written and read in one piece. On a GPU it is (an aligned
@@ -8,11 +8,16 @@ word that a peer process is writing can read one new byte and one old byte, a va
 the sentinel nor the data (with glibc 2.36, torn words appear within seconds of polling). So while a
 shared-file workspace exists, 16-bit loads and stores of contiguous rows go through a numpy ufunc
 instead, whose typed loop moves whole aligned words. Other accesses keep Triton's own path.
+
+The kernels bound every wait with the GPU's nanosecond timer (``protocol._now``, inline assembly),
+which the interpreter cannot run; here it reads the host's monotonic clock instead, so the bound
+holds in wall time on the CPU too.
 """
 
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numpy as np
 
@@ -36,8 +41,19 @@ def _word_span(ptrs: np.ndarray, mask: np.ndarray):
     return first, last, lanes, words
 
 
+class _AsmCall:
+    """What the interpreter's ``inline_asm_elementwise`` expects back from the builder: one result."""
+
+    def __init__(self, result):
+        self._result = result
+
+    def get_result(self, index):
+        return self._result
+
+
 def install() -> None:
-    """Route the interpreter's 16-bit loads and stores of contiguous words through whole-word copies.
+    """Route the interpreter's 16-bit loads and stores of contiguous words through whole-word copies,
+    and serve the kernels' timer reads (``%globaltimer``) from ``time.monotonic_ns``.
 
     Idempotent. Only affects Triton's interpreter (``TRITON_INTERPRET=1``); compiled kernels are
     untouched.
@@ -77,6 +93,15 @@ def install() -> None:
         # Lanes that are off are left untouched; each written word is written whole.
         np.bitwise_or(values[part], _ZERO, out=words, where=lanes[part])
 
+    def create_inline_asm(self, asm, constraints, values, type, is_pure, pack):
+        if "%globaltimer" not in asm:
+            return triton_inline_asm(self, asm, constraints, values, type, is_pure, pack)
+        import triton.language as tl
+
+        return _AsmCall(interpreter.TensorHandle(np.array([time.monotonic_ns()], np.int64), tl.int64))
+
+    triton_inline_asm = builder.create_inline_asm
     builder.create_masked_load = create_masked_load
     builder.create_masked_store = create_masked_store
+    builder.create_inline_asm = create_inline_asm
     _installed = True

@@ -1,9 +1,11 @@
 """The workspace's layout: what the kernels and the host that allocates the buffers agree on.
 
 A rank's buffer holds ``NUM_SLOTS`` slots, each with one region of ``region_elems`` 16-bit words per
-rank; a word nobody has written since it was last cleared holds ``SENTINEL``. A small private
-state vector (int32, ``STATE_LEN`` entries at the ``STATE_*`` positions) rotates the slots and
-records a wait that ran out. ``tpfuse.comm.workspace`` allocates buffers of this layout; the kernels
+rank, and after them one call descriptor of ``DESC_WORDS`` words per slot and rank (what each peer
+says its call is: see ``describe_call``); a word nobody has written since it was last cleared holds
+``SENTINEL``. A small private state vector (int32, ``STATE_LEN`` entries at the ``STATE_*``
+positions) rotates the slots and records a call that failed: a wait that ran out, or a peer whose
+call differs. ``tpfuse.comm.workspace`` allocates buffers of this layout; the kernels
 (``protocol.py``) read it through these names only.
 """
 
@@ -16,14 +18,62 @@ import torch
 #: -0.0 in bf16 and fp16: marks a word nobody has written since it was last cleared.
 SENTINEL = -32768
 NUM_SLOTS = 3
+#: Words of a call descriptor: one 16-byte access. Every word is in 0..32767, never the sentinel.
+DESC_WORDS = 8
 # state vector layout (int32): the kernel and the host agree on these positions.
 STATE_CALL = 0  # calls completed: selects the slot (call % NUM_SLOTS)
 STATE_ARRIVED = 1  # programs of the running call that have finished
 STATE_EXTENT = 2  # NUM_SLOTS entries: elements per rank written into each slot by its last call
-STATE_ERROR = 5  # 0, or the number (1-based) of a call whose wait for a peer ran out
-STATE_ERROR_TOKENS = 6  # that call's token count
-STATE_ERROR_HIDDEN = 7  # and hidden size
-STATE_LEN = 8
+STATE_ERROR = 5  # 0, or the number (1-based) of a call that failed
+STATE_ERROR_PEER = 6  # 0 when it failed by a wait that ran out; 1 + the rank whose call differed
+STATE_ERROR_OWN = 7  # DESC_WORDS entries: the failed call's descriptor
+STATE_ERROR_SEEN = STATE_ERROR_OWN + DESC_WORDS  # DESC_WORDS entries: the differing peer's descriptor
+STATE_LEN = STATE_ERROR_SEEN + DESC_WORDS
+
+#: Bits of a descriptor's flags word.
+FLAG_BF16, FLAG_FP16, FLAG_RESIDUAL, FLAG_QUANT, FLAG_TWOSHOT = 1, 2, 4, 8, 16
+
+
+def buffer_elems(region_elems: int, world_size: int) -> int:
+    """16-bit words of one rank's buffer: the slots' regions, then the descriptors."""
+    return NUM_SLOTS * world_size * (region_elems + DESC_WORDS)
+
+
+def descriptor_offset(region_elems: int, world_size: int, slot: int, sender: int) -> int:
+    """Where, in a rank's buffer, ``sender``'s descriptor for ``slot`` lies."""
+    return NUM_SLOTS * world_size * region_elems + (slot * world_size + sender) * DESC_WORDS
+
+
+def describe_call(n_tokens: int, hidden: int, flags: int, call: int, region_elems: int) -> list[int]:
+    """The descriptor words of a call, as the kernels write them (``protocol._describe_call``).
+
+    Tokens (< 2**30) and the region (< 2**31 words) span two and three 15-bit words; the call's number
+    is kept modulo 2**15 (a peer is never more than one call apart).
+    """
+    return [n_tokens & 0x7FFF, (n_tokens >> 15) & 0x7FFF, hidden & 0x7FFF, flags, call & 0x7FFF,
+            region_elems & 0x7FFF, (region_elems >> 15) & 0x7FFF, (region_elems >> 30) & 0x7FFF]
+
+
+def explain_descriptor(words: list[int], other: list[int] | None = None) -> str:
+    """A descriptor as a reader wants it: ``5 x 512 bfloat16 oneshot, residual``; the call's number and
+    the workspace's region are added where they differ from ``other``'s."""
+    def tokens(w):
+        return w[0] | w[1] << 15
+
+    def region(w):
+        return w[5] | w[6] << 15 | w[7] << 30
+
+    flags = words[3]
+    dtype = "bfloat16" if flags & FLAG_BF16 else "float16" if flags & FLAG_FP16 else "?"
+    parts = [f"{tokens(words)} x {words[2]} {dtype} {'twoshot' if flags & FLAG_TWOSHOT else 'oneshot'}",
+             "residual" if flags & FLAG_RESIDUAL else "no residual"]
+    if flags & FLAG_QUANT:
+        parts.append("fp8 output")
+    if other is not None and other[4] != words[4]:
+        parts.append(f"its call #{words[4] + 1} (mod 32768)")
+    if other is not None and region(other) != region(words):
+        parts.append(f"a workspace region of {region(words)} words")
+    return ", ".join(parts)
 
 
 class Workspace:
@@ -33,14 +83,19 @@ class Workspace:
     ----------
     region_elems : int
         16-bit words one rank may send per call (its region in every peer's slot).
+    buffer : torch.Tensor
+        int16 [buffer_elems(region_elems, world_size)]: this rank's own buffer, which peers write into.
     peer_ptrs : torch.Tensor
         int64 [world_size] addresses of every rank's buffer, on the communicator's device.
     state : torch.Tensor
         int32 [STATE_LEN] slot-rotation state, private to this rank, on the device.
     """
 
-    def __init__(self, region_elems: int, peer_ptrs: torch.Tensor, state: torch.Tensor, keep_alive: list):
+    def __init__(self, region_elems: int, buffer: torch.Tensor, peer_ptrs: torch.Tensor, state: torch.Tensor,
+                 keep_alive: list):
         self.region_elems = region_elems
+        self.world_size = peer_ptrs.numel()
+        self.buffer = buffer
         self.peer_ptrs = peer_ptrs
         self.state = state
         self._keep_alive = keep_alive  # the mapped tensors / symmetric buffers behind peer_ptrs
@@ -49,8 +104,19 @@ class Workspace:
     def region_bytes(self) -> int:
         return self.region_elems * 2
 
+    def regions(self) -> torch.Tensor:
+        """int16 [NUM_SLOTS, world_size, region_elems] view of this rank's buffer: who wrote what where."""
+        return self.buffer[:NUM_SLOTS * self.world_size * self.region_elems].view(
+            NUM_SLOTS, self.world_size, self.region_elems)
+
+    def descriptors(self) -> torch.Tensor:
+        """int16 [NUM_SLOTS, world_size, DESC_WORDS] view of the call descriptors peers sent us."""
+        return self.buffer[NUM_SLOTS * self.world_size * self.region_elems:].view(
+            NUM_SLOTS, self.world_size, DESC_WORDS)
+
     def release(self) -> None:
         self._keep_alive.clear()
+        self.buffer = None
         self.peer_ptrs = None
         self.state = None
 
@@ -63,4 +129,4 @@ class LaunchContext:
     rank: int
     world_size: int
     max_programs: int  # programs a launch may use: the same on every rank, all resident at once
-    wait_limit: int  # the bound of every wait for a peer: ns on a GPU, polls on the CPU (wait_limit_for)
+    wait_limit_ns: int  # the bound of every wait for a peer, from the start of a launch

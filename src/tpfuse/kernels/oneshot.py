@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.layout import LaunchContext
-from tpfuse.kernels.protocol import (_clear_slot, _finish_call, _multiple_of_8, _peer_base, _sendable_bits,
-                                     _slots, _start_clock, _store_normed, _sum_in_rank_order,
-                                     kernel_arguments, launch_config)
+from tpfuse.kernels.protocol import (_check_peers, _clear_slot, _descriptors, _finish_call, _multiple_of_8,
+                                     _peer_base, _sendable_bits, _slots, _start_clock, _store_normed,
+                                     _sum_in_rank_order, kernel_arguments, launch_config)
 
 
 @triton.jit
@@ -60,18 +60,21 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     peer_ptrs_ptr, state_ptr,
     n_tokens, hidden, region_elems, eps, wait_limit, pushers,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr, USE_CLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr, DEADLINE_GIVEN: tl.constexpr,
+    DESC_FLAGS: tl.constexpr,
     CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr,
     SPLIT_PUSH: tl.constexpr, PUSH_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     hidden = _multiple_of_8(hidden)  # both checked by kernel_arguments
     region_elems = _multiple_of_8(region_elems)
-    call, slot, slot_base, prev_base, prev_extent = _slots(state_ptr, region_elems, WORLD, USE_PDL)
+    call, slot, slot_base, prev_slot, prev_extent = _slots(state_ptr, region_elems, WORLD, USE_PDL)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     own = _peer_base(peer_ptrs_ptr, RANK)
+    desc, desc_slot = _descriptors(peer_ptrs_ptr, slot, region_elems, n_tokens, hidden, call, pid, RANK, WORLD,
+                                   DESC_FLAGS)
 
     dst_base = slot_base + RANK * region_elems
     if SPLIT_PUSH:
@@ -93,11 +96,11 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         first_row = pid
         row_step = n_programs
     if CLEAR_FIRST:  # the previous slot is ours alone until our next call: clear it while data flies
-        _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
+        _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    failed = 0
-    limit = _start_clock(wait_limit, USE_CLOCK)
+    deadline = _start_clock(wait_limit, DEADLINE_GIVEN)
+    deadline, failed = _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK, WORLD)
     row = first_row
     while row < n_tokens:
         offs = row.to(tl.int64) * hidden + cols
@@ -105,16 +108,16 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         if HAS_RESIDUAL:
             res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x_bits = _sendable_bits(x_ptr, offs, mask)
-        h, limit, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask,
-                                              limit, failed, RANK, WORLD, BLOCK_H, USE_CLOCK)
+        h, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask, deadline,
+                                       failed, RANK, WORLD, BLOCK_H)
         if HAS_RESIDUAL:
             h += res
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
         _store_normed(h, w, y_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
         row += row_step
     if not CLEAR_FIRST:
-        _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
-    _finish_call(state_ptr, call, slot, n_tokens, hidden, failed, n_programs, RELAXED_ARRIVE)
+        _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
+    _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_programs, RELAXED_ARRIVE)
 
 
 @dataclass(frozen=True)
@@ -160,12 +163,13 @@ def oneshot_allreduce_add_rmsnorm(
     at once (a program waits for the same program of its peers).
     """
     n_tokens, hidden = x.shape
-    args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale)
+    args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale, twoshot=False)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant.pdl)
     # One row a program, at most max_programs (the grid must be resident). Two large rows a program
     # from 65 tokens on stopped paying once rows moved 16 bytes an access: one row a program
-    # made 7168/8192 x 80-128 tokens 12-18% shorter on 2 x H200 (docs/kernel-notes.md).
-    programs = min(n_tokens, ctx.max_programs)
+    # made 7168/8192 x 80-128 tokens 12-18% shorter on 2 x H200 (docs/kernel-notes.md). An empty
+    # call still takes one program: it exchanges descriptors, so the peers' calls are checked.
+    programs = max(1, min(n_tokens, ctx.max_programs))
     pushers = split_push_programs(n_tokens, hidden, programs, ctx.max_programs, variant.split_push_words)
     block_c = variant.split_push_words if pushers else block_h  # a split row is wider than a chunk
     push_chunks = triton.cdiv(hidden, block_c)

@@ -8,10 +8,12 @@ same state vector, so calls of either algorithm may follow each other in any ord
 
 from __future__ import annotations
 
+import time
+
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tpfuse.kernels import layout
 from tpfuse.kernels.fp8 import fp32_to_e4m3fn_bits
@@ -24,20 +26,10 @@ _STATE_CALL = tl.constexpr(layout.STATE_CALL)
 _STATE_ARRIVED = tl.constexpr(layout.STATE_ARRIVED)
 _STATE_EXTENT = tl.constexpr(layout.STATE_EXTENT)
 _STATE_ERROR = tl.constexpr(layout.STATE_ERROR)
-_STATE_ERROR_TOKENS = tl.constexpr(layout.STATE_ERROR_TOKENS)
-_STATE_ERROR_HIDDEN = tl.constexpr(layout.STATE_ERROR_HIDDEN)
-
-# Every wait is bounded. On a GPU the bound is time (the global nanosecond timer); the CPU
-# interpreter has no timer, so there it is a number of polls, about this many a second.
-CPU_POLLS_PER_SECOND = 5000
-#: How long a kernel waits for a peer before it flags an error and returns (see docs/reliability.md).
-DEFAULT_WAIT_TIMEOUT_S = 10.0
-
-
-def wait_limit_for(timeout_s: float, on_gpu: bool) -> int:
-    """The kernels' ``wait_limit`` argument for a timeout: nanoseconds on a GPU, polls on the CPU."""
-    return int(timeout_s * 1e9) if on_gpu else max(1, int(timeout_s * CPU_POLLS_PER_SECOND))
-
+_STATE_ERROR_PEER = tl.constexpr(layout.STATE_ERROR_PEER)
+_STATE_ERROR_OWN = tl.constexpr(layout.STATE_ERROR_OWN)
+_STATE_ERROR_SEEN = tl.constexpr(layout.STATE_ERROR_SEEN)
+_DESC_WORDS = tl.constexpr(layout.DESC_WORDS)
 
 # 16 warps of 32 threads, 8 elements a thread: a row of 4096 a pass. 32 warps (a row of 8192 over
 # 1024 threads, FlashInfer's shape) measured the same on 2 x H200 (docs/kernel-notes.md).
@@ -62,14 +54,18 @@ def kernel_arguments(
     y: torch.Tensor,
     h: torch.Tensor,
     quant_scale: torch.Tensor | None,
+    twoshot: bool,
 ) -> tuple[tuple, dict]:
     """Both kernels' leading positional arguments, in order, and the flags that follow from them.
 
     An absent residual or scale is passed as a stand-in pointer the kernel never reads; an fp8 ``y``
-    is written as bytes.
+    is written as bytes. The wait bound is a duration on a GPU, where a launch may be captured in a
+    CUDA graph and replayed later; on the CPU it is the launch's deadline, which every program shares
+    (the interpreter runs programs one after another, so a per-program duration would add up).
     """
     n_tokens, hidden = x.shape
     workspace = ctx.workspace
+    on_gpu = x.device.type == "cuda"
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == layout.STATE_LEN
     # The kernels take both for multiples of 8 (16-byte rows); select.kernel_supports admits no others.
     assert hidden % 8 == 0 and workspace.region_elems % 8 == 0, (hidden, workspace.region_elems)
@@ -77,10 +73,19 @@ def kernel_arguments(
             y.view(torch.uint8) if quant_scale is not None else y, h,
             quant_scale if quant_scale is not None else weight,
             workspace.peer_ptrs, workspace.state,
-            n_tokens, hidden, workspace.region_elems, eps, ctx.wait_limit)
+            n_tokens, hidden, workspace.region_elems, eps,
+            ctx.wait_limit_ns if on_gpu else time.monotonic_ns() + ctx.wait_limit_ns)
     flags = dict(HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None,
-                 USE_CLOCK=x.device.type == "cuda")
+                 DEADLINE_GIVEN=not on_gpu, DESC_FLAGS=call_flags(x.dtype, residual is not None,
+                                                                  quant_scale is not None, twoshot))
     return args, flags
+
+
+def call_flags(dtype: torch.dtype, has_residual: bool, quantized: bool, twoshot: bool) -> int:
+    """The flags word of a call's descriptor (``layout.FLAG_*``)."""
+    return ((layout.FLAG_BF16 if dtype == torch.bfloat16 else layout.FLAG_FP16) |
+            (layout.FLAG_RESIDUAL if has_residual else 0) | (layout.FLAG_QUANT if quantized else 0) |
+            (layout.FLAG_TWOSHOT if twoshot else 0))
 
 
 @triton.jit
@@ -113,9 +118,21 @@ def _peer_base(peer_ptrs_ptr, r):
 
 
 @triton.jit
+def _slot_base(slot, region_elems, WORLD: tl.constexpr):
+    """Where a slot's regions start in a rank's buffer."""
+    return slot.to(tl.int64) * WORLD * region_elems
+
+
+@triton.jit
+def _desc_base(slot, region_elems, WORLD: tl.constexpr):
+    """Where a slot's descriptors start in a rank's buffer: after all slots (layout.descriptor_offset)."""
+    return tl.full([], _NUM_SLOTS * WORLD, tl.int64) * region_elems + slot.to(tl.int64) * WORLD * _DESC_WORDS
+
+
+@triton.jit
 def _slots(state_ptr, region_elems, WORLD: tl.constexpr, USE_PDL: tl.constexpr):
-    """(call, slot, slot_base, prev_base, prev_extent): this call's number and slot, where the slot
-    and the previous call's slot start, and how many words a rank wrote into the previous one.
+    """(call, slot, slot_base, prev_slot, prev_extent): this call's number and slot, where the slot
+    starts, the previous call's slot and how many words a rank wrote into it.
 
     Every kernel starts here. With programmatic dependent launch (USE_PDL) it was launched early, so
     it first waits until the previous kernel's writes, the state vector and x included, are visible,
@@ -127,66 +144,116 @@ def _slots(state_ptr, region_elems, WORLD: tl.constexpr, USE_PDL: tl.constexpr):
     call = tl.load(state_ptr + _STATE_CALL)
     slot = call % _NUM_SLOTS
     prev_slot = (call + _NUM_SLOTS - 1) % _NUM_SLOTS
-    slot_base = slot.to(tl.int64) * WORLD * region_elems
-    prev_base = prev_slot.to(tl.int64) * WORLD * region_elems
     prev_extent = tl.load(state_ptr + _STATE_EXTENT + prev_slot)
-    return call, slot, slot_base, prev_base, prev_extent
+    return call, slot, _slot_base(slot, region_elems, WORLD), prev_slot, prev_extent
 
 
 @triton.jit
-def _start_clock(wait_limit, USE_CLOCK: tl.constexpr):
-    """The bound every wait of this program shares: a timer deadline, or the polls allowed."""
-    if USE_CLOCK:
-        return globaltimer() + wait_limit
-    else:
+def _now():
+    """The GPU's global nanosecond timer. Written as inline assembly here (not Triton's
+    ``globaltimer``) so that ``tpfuse.kernels.interpreter`` can serve it on the CPU, from the host's
+    monotonic clock."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _start_clock(wait_limit, DEADLINE_GIVEN: tl.constexpr):
+    """The deadline every wait of this program shares: given (CPU), or the bound from now (GPU)."""
+    if DEADLINE_GIVEN:
         return wait_limit.to(tl.int64)
-
-
-@triton.jit
-def _time_left(limit, USE_CLOCK: tl.constexpr):
-    if USE_CLOCK:
-        return globaltimer() < limit
     else:
-        return limit > 0
+        return _now() + wait_limit
 
 
 @triton.jit
-def _wait_row(src, mask, limit, USE_CLOCK: tl.constexpr):
-    """Poll a row of words until none holds the sentinel or the bound ``limit`` runs out.
+def _wait_row(src, mask, deadline):
+    """Poll a row of words until none holds the sentinel or the ``deadline`` passes.
 
-    Returns the row, the updated bound and 1 if words are still missing (0 when it all arrived).
-    Once the bound has run out, every later wait returns after one look.
+    Returns the row and 1 if words are still missing (0 when it all arrived). Once the deadline has
+    passed, every later wait returns after one look.
     """
     bits = tl.load(src, mask=mask, other=0, volatile=True)
     missing = tl.max((bits == _SENTINEL).to(tl.int32), axis=0)
-    while (missing > 0) & _time_left(limit, USE_CLOCK):
+    while (missing > 0) & (_now() < deadline):
         bits = tl.load(src, mask=mask, other=0, volatile=True)
         missing = tl.max((bits == _SENTINEL).to(tl.int32), axis=0)
-        if not USE_CLOCK:
-            limit -= 1
-    return bits, limit, (missing > 0).to(tl.int32)
+    return bits, (missing > 0).to(tl.int32)
 
 
 @triton.jit
-def _sum_in_rank_order(x_ptr, own_bits, slot_ptr, region_elems, offs, mask, limit, failed, RANK: tl.constexpr,
-                       WORLD: tl.constexpr, BLOCK_H: tl.constexpr, USE_CLOCK: tl.constexpr):
+def _describe_call(n_tokens, hidden, call, region_elems, FLAGS: tl.constexpr):
+    """This call's descriptor: ``layout.describe_call`` as a vector of DESC_WORDS int16 words."""
+    i = tl.arange(0, _DESC_WORDS)
+    words = tl.where(i == 0, n_tokens, tl.where(i == 1, n_tokens >> 15, tl.where(i == 2, hidden, tl.where(
+        i == 3, FLAGS, tl.where(i == 4, call, tl.where(i == 5, region_elems, tl.where(
+            i == 6, region_elems >> 15, region_elems >> 30)))))))
+    return (words & 0x7FFF).to(tl.int16)
+
+
+@triton.jit
+def _descriptors(peer_ptrs_ptr, slot, region_elems, n_tokens, hidden, call, pid, RANK: tl.constexpr,
+                 WORLD: tl.constexpr, FLAGS: tl.constexpr):
+    """(descriptor, where the slot's descriptors start): program 0 sends this call's descriptor to every
+    peer, first thing, so that it is on its way before anyone waits."""
+    desc = _describe_call(n_tokens, hidden, call, region_elems, FLAGS)
+    desc_slot = _desc_base(slot, region_elems, WORLD)
+    if pid == 0:
+        i = tl.arange(0, _DESC_WORDS)
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                tl.store(_peer_base(peer_ptrs_ptr, r) + desc_slot + RANK * _DESC_WORDS + i, desc)
+    return desc, desc_slot
+
+
+@triton.jit
+def _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Wait for every peer's descriptor of this call and compare it with ours. Returns (deadline, failed).
+
+    A peer whose call differs is recorded in the state vector (every program that sees it writes the
+    same words) and the deadline is made past, so no wait of this call blocks further: the rows such
+    a peer sends may never come, or be of another shape.
+    """
+    i = tl.arange(0, _DESC_WORDS)
+    failed = 0
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            seen, missing = _wait_row(own + desc_slot + r * _DESC_WORDS + i, i < _DESC_WORDS, deadline)
+            differs = tl.max((seen != desc).to(tl.int32), axis=0) * (1 - missing)
+            if differs > 0:
+                tl.store(state_ptr + _STATE_ERROR_SEEN + i, seen.to(tl.int32))
+                tl.store(state_ptr + _STATE_ERROR_PEER, r + 1)
+                deadline = deadline * 0  # past
+            failed |= missing | differs
+    return deadline, failed
+
+
+@triton.jit
+def _poisoned(h, failed):
+    """NaN for the rows of a call that failed: whatever a rank returns from it is never plausible data."""
+    return tl.where(failed > 0, float("nan"), h)
+
+
+@triton.jit
+def _sum_in_rank_order(x_ptr, own_bits, slot_ptr, region_elems, offs, mask, deadline, failed,
+                       RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr):
     """fp32 sum of one row over the ranks, in rank order: ours from ``own_bits``, each peer's from its
-    region of our slot (``slot_ptr``) once it has arrived. Returns (sum, bound left, failed)."""
+    region of our slot (``slot_ptr``) once it has arrived; NaN once the call failed. Returns (sum, failed)."""
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for r in tl.static_range(WORLD):
         if r == RANK:
             bits = own_bits
         else:
-            bits, limit, missing = _wait_row(slot_ptr + r * region_elems + offs, mask, limit, USE_CLOCK)
+            bits, missing = _wait_row(slot_ptr + r * region_elems + offs, mask, deadline)
             failed |= missing
         acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
-    return acc, limit, failed
+    return _poisoned(acc, failed), failed
 
 
 @triton.jit
 def _clear_slot(
     own,
-    slot_base,
+    slot,
     region_elems,
     extent,
     first,
@@ -196,12 +263,17 @@ def _clear_slot(
     WORLD: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """Reset the peers' regions of a slot to the sentinel over ``extent`` words, strided by program.
+    """Reset the peers' regions of a slot to the sentinel over ``extent`` words, strided by program,
+    and (program 0) the peers' descriptors of that slot.
 
-    Our own region is never written by anyone (we keep our rows in x), so it stays clear.
+    Our own region and descriptor are never written by anyone (we keep our rows in x), so they stay
+    clear.
     """
     sentinel = tl.full([BLOCK_H], _SENTINEL, tl.int16)
     extent = _multiple_of_8(extent)  # tokens x hidden
+    slot_base = _slot_base(slot, region_elems, WORLD)
+    desc_slot = _desc_base(slot, region_elems, WORLD)
+    i = tl.arange(0, _DESC_WORDS)
     for r in tl.static_range(WORLD):
         if r != RANK:
             start = first * BLOCK_H
@@ -209,20 +281,22 @@ def _clear_slot(
                 idx = start + cols
                 tl.store(own + slot_base + r * region_elems + idx, sentinel, mask=idx < extent)
                 start += step * BLOCK_H
+            if first == 0:
+                tl.store(own + desc_slot + r * _DESC_WORDS + i, tl.full([_DESC_WORDS], _SENTINEL, tl.int16))
 
 
 @triton.jit
-def _finish_call(state_ptr, call, slot, n_tokens, hidden, failed, n_programs, RELAXED_ARRIVE: tl.constexpr):
-    """Record a wait that ran out; the last program of the launch records the extent and advances the call.
+def _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_programs, RELAXED_ARRIVE: tl.constexpr):
+    """Record a failed call; the last program of the launch records the extent and advances the call.
 
-    The error entry holds the failed call's number (1-based) and shape, for the host to report.
-    Every program has read the state by the time it arrives (its loads fed addresses it has already
-    used), so the arrival itself needs no ordering.
+    The error entries hold the failed call's number (1-based) and descriptor, for the host to report
+    (with the differing peer's, which ``_check_peers`` recorded). Every program has read the state by
+    the time it arrives (its loads fed addresses it has already used), so the arrival itself needs
+    no ordering.
     """
     if failed > 0:
+        tl.store(state_ptr + _STATE_ERROR_OWN + tl.arange(0, _DESC_WORDS), desc.to(tl.int32))
         tl.atomic_xchg(state_ptr + _STATE_ERROR, call + 1)
-        tl.store(state_ptr + _STATE_ERROR_TOKENS, n_tokens)
-        tl.store(state_ptr + _STATE_ERROR_HIDDEN, hidden)
     if RELAXED_ARRIVE:
         arrived = tl.atomic_add(state_ptr + _STATE_ARRIVED, 1, sem="relaxed")
     else:

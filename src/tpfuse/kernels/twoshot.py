@@ -29,9 +29,10 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.layout import LaunchContext
-from tpfuse.kernels.protocol import (_clear_slot, _finish_call, _multiple_of_8, _peer_base, _sendable,
-                                     _sendable_bits, _slots, _start_clock, _store_normed, _sum_in_rank_order,
-                                     _wait_row, kernel_arguments, launch_config)
+from tpfuse.kernels.protocol import (_check_peers, _clear_slot, _descriptors, _finish_call, _multiple_of_8,
+                                     _peer_base, _poisoned, _sendable, _sendable_bits, _slots, _start_clock,
+                                     _store_normed, _sum_in_rank_order, _wait_row, kernel_arguments,
+                                     launch_config)
 
 
 @triton.jit
@@ -64,9 +65,9 @@ def _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, la
 
 @triton.jit
 def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, own_slot, send_base, w,
-                  hidden, region_elems, eps, n_programs, pid, first, last, cols, mask, limit, failed,
+                  hidden, region_elems, eps, n_programs, pid, first, last, cols, mask, deadline, failed,
                   RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                  HAS_QUANT: tl.constexpr, USE_CLOCK: tl.constexpr):
+                  HAS_QUANT: tl.constexpr):
     """For the rows among first..last-1 we own: wait for the peers' x, reduce, send the rounded h to all."""
     i = first
     while i < last:
@@ -75,10 +76,8 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, o
             offs = row.to(tl.int64) * hidden + cols
             if HAS_RESIDUAL:
                 res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            acc, limit, failed = _sum_in_rank_order(
-                x_ptr, _sendable_bits(x_ptr, offs, mask), own_slot, region_elems, offs, mask, limit,
-                failed, RANK, WORLD, BLOCK_H, USE_CLOCK
-            )
+            acc, failed = _sum_in_rank_order(x_ptr, _sendable_bits(x_ptr, offs, mask), own_slot, region_elems,
+                                             offs, mask, deadline, failed, RANK, WORLD, BLOCK_H)
             if HAS_RESIDUAL:
                 acc += res
             # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
@@ -88,13 +87,13 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, o
                     tl.store(_peer_base(peer_ptrs_ptr, r) + send_base + offs, h_bits, mask=mask)
             _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
         i += 1
-    return limit, failed
+    return failed
 
 
 @triton.jit
 def _gather_others(y_ptr, h_ptr, scale_ptr, own_slot, w, hidden, region_elems, eps, n_programs, pid, first,
-                   last, cols, mask, limit, failed, WORLD: tl.constexpr, RANK: tl.constexpr,
-                   HAS_QUANT: tl.constexpr, USE_CLOCK: tl.constexpr):
+                   last, cols, mask, deadline, failed, WORLD: tl.constexpr, RANK: tl.constexpr,
+                   HAS_QUANT: tl.constexpr):
     """For the rows among first..last-1 others own: wait for the owner's h, then store h and y."""
     i = first
     while i < last:
@@ -102,11 +101,13 @@ def _gather_others(y_ptr, h_ptr, scale_ptr, own_slot, w, hidden, region_elems, e
         owner = _owner(row, n_programs, WORLD)
         if owner != RANK:
             offs = row.to(tl.int64) * hidden + cols
-            h_bits, limit, missing = _wait_row(own_slot + owner * region_elems + offs, mask, limit, USE_CLOCK)
+            h_bits, missing = _wait_row(own_slot + owner * region_elems + offs, mask, deadline)
             failed |= missing
+            h_bits = _poisoned(h_bits.to(h_ptr.dtype.element_ty, bitcast=True), failed).to(
+                h_ptr.dtype.element_ty).to(tl.int16, bitcast=True)
             _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
         i += 1
-    return limit, failed
+    return failed
 
 
 @triton.jit
@@ -131,17 +132,20 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_QUANT: tl.constexpr,
     USE_PDL: tl.constexpr,
-    USE_CLOCK: tl.constexpr,
+    DEADLINE_GIVEN: tl.constexpr,
+    DESC_FLAGS: tl.constexpr,
     GROUPED: tl.constexpr,
 ):
     hidden = _multiple_of_8(hidden)  # both checked by kernel_arguments
     region_elems = _multiple_of_8(region_elems)
-    call, slot, slot_base, prev_base, prev_extent = _slots(state_ptr, region_elems, WORLD, USE_PDL)
+    call, slot, slot_base, prev_slot, prev_extent = _slots(state_ptr, region_elems, WORLD, USE_PDL)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     own = _peer_base(peer_ptrs_ptr, RANK)
+    desc, desc_slot = _descriptors(peer_ptrs_ptr, slot, region_elems, n_tokens, hidden, call, pid, RANK, WORLD,
+                                   DESC_FLAGS)
     own_slot = own + slot_base
     send_base = slot_base + RANK * region_elems  # where our words go in a peer's slot
     my_rows = (n_tokens - pid + n_programs - 1) // n_programs  # rows pid, pid + programs, ...
@@ -155,27 +159,25 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     if GROUPED:
         last = tl.minimum(group_rows, my_rows)
     _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, last, cols, mask, RANK, WORLD)
-    _clear_slot(own, prev_base, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
+    _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    failed = 0
-    limit = _start_clock(wait_limit, USE_CLOCK)
+    deadline = _start_clock(wait_limit, DEADLINE_GIVEN)
+    deadline, failed = _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK, WORLD)
     while first < my_rows:
         after = my_rows
         if GROUPED:
             after = tl.minimum(last + group_rows, my_rows)
             _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, last, after, cols, mask,
                      RANK, WORLD)
-        limit, failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, own_slot,
-                                      send_base, w, hidden, region_elems, eps, n_programs, pid, first, last,
-                                      cols, mask, limit, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL,
-                                      HAS_QUANT, USE_CLOCK)
-        limit, failed = _gather_others(y_ptr, h_ptr, scale_ptr, own_slot, w, hidden, region_elems, eps,
-                                       n_programs, pid, first, last, cols, mask, limit, failed, WORLD, RANK,
-                                       HAS_QUANT, USE_CLOCK)
+        failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, own_slot, send_base,
+                               w, hidden, region_elems, eps, n_programs, pid, first, last, cols, mask,
+                               deadline, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL, HAS_QUANT)
+        failed = _gather_others(y_ptr, h_ptr, scale_ptr, own_slot, w, hidden, region_elems, eps, n_programs,
+                                pid, first, last, cols, mask, deadline, failed, WORLD, RANK, HAS_QUANT)
         first = last
         last = after
-    _finish_call(state_ptr, call, slot, n_tokens, hidden, failed, n_programs, True)
+    _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_programs, True)
 
 
 #: ``group_rows`` that takes all of a program's rows as one group: scatter all, reduce all, gather all.
@@ -203,7 +205,7 @@ def twoshot_allreduce_add_rmsnorm(
     no more rows than that, and :data:`ALL_ROWS`, take all of their rows as one group.
     """
     n_tokens, hidden = x.shape
-    args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale)
+    args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale, twoshot=True)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device)
     programs = min(n_tokens, ctx.max_programs)
     _twoshot_allreduce_add_rmsnorm_kernel[(programs,)](

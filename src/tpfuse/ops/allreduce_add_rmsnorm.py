@@ -11,12 +11,14 @@ own all-reduce, then the same norm in torch).
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
 
 from tpfuse import _stats, select
-from tpfuse.comm.communicator import lookup_communicator, resolve_group
+from tpfuse.comm import agreement
+from tpfuse.comm.communicator import DEFAULT_WAIT_TIMEOUT_S, lookup_communicator, resolve_group
 from tpfuse.kernels.reference import add_rmsnorm_reference
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -102,7 +104,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _debug() -> bool:
-    """``TPFUSE_DEBUG=1``: compare every fused call across ranks and check for errors after it (slow)."""
+    """``TPFUSE_DEBUG=1``: on a GPU, check every eager call for errors after it (it synchronises)."""
     return os.environ.get("TPFUSE_DEBUG") == "1"
 
 
@@ -116,23 +118,30 @@ def _group_by_name(group_name: str) -> dist.ProcessGroup:
 def _run(x, residual, weight, eps, group_name, quant_scale, y, h) -> None:
     check_inputs(x, residual, weight, eps, quant_scale, y, h)
     n_tokens, hidden = x.shape
-    if n_tokens == 0:
-        return
+    # Checks that wait for the host: always on the CPU, on a GPU only in debug mode and never in capture.
+    checking = x.device.type == "cpu" or (_debug() and not torch.cuda.is_current_stream_capturing())
     comm = lookup_communicator(group_name)
     if comm is not None and comm.device == x.device:
         comm.check_usable()
         algorithm = comm.choose_algorithm(n_tokens, hidden, x.dtype, quantized=quant_scale is not None)
         if algorithm != select.REFERENCE:
-            checking = x.device.type == "cpu" or (_debug() and not torch.cuda.is_current_stream_capturing())
-            if checking and _debug():
+            if checking and comm.flashinfer is not None:  # FlashInfer's kernels do not compare calls
                 comm.check_call_matches(n_tokens, hidden, x.dtype, algorithm)
+            started = time.monotonic()
             _stats.record(comm.run_fused(algorithm, x, residual, weight, eps, y, h, quant_scale))
             if checking:
-                comm.check_errors()
+                comm.check_errors(waited_s=time.monotonic() - started)
             return
     group = _group_by_name(group_name)
+    checking = checking and dist.get_world_size(group) > 1
+    timeout = comm.wait_timeout_s if comm is not None else DEFAULT_WAIT_TIMEOUT_S
+    if checking:  # the kernels' comparison of calls does not cover the group's all-reduce: compare here
+        agreement.check_reference_call(group, n_tokens, hidden, x.dtype, residual is not None,
+                                       quant_scale is not None, timeout)
+    if n_tokens == 0:
+        return
     reduced = x.to(torch.float32, copy=True)
-    dist.all_reduce(reduced, group=group)
+    agreement.all_reduce(reduced, group, timeout if checking else None, "a reference-path all-reduce")
     y_ref, h_ref = add_rmsnorm_reference(reduced, residual, weight, eps, quant_scale, out_dtype=x.dtype)
     y.copy_(y_ref)
     h.copy_(h_ref)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 ONESHOT, TWOSHOT, REFERENCE = "oneshot", "twoshot", "reference"
+ALGORITHMS = (ONESHOT, TWOSHOT, REFERENCE)
 
 #: dtypes the Triton kernels accept (16-bit floats: the sentinel protocol works on 16-bit words).
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -204,6 +205,6 @@ def choose_algorithm(
     table gives (:meth:`AlgorithmTable.choose`).
     """
     limit, table = _limit_and_table(hidden, dtype, world_size, workspace_bytes, device)
-    if n_tokens > limit:
+    if table is None or n_tokens > limit:
         return REFERENCE
     return table.choose(n_tokens, hidden)
