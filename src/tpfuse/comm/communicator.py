@@ -33,6 +33,11 @@ _registry: dict[str, Communicator] = {}
 _registry_lock = threading.RLock()
 
 
+def default_wait_timeout_s() -> float:
+    """``$TPFUSE_WAIT_TIMEOUT_S``, else :data:`DEFAULT_WAIT_TIMEOUT_S`: the bound of waits for a peer."""
+    return float(os.environ.get("TPFUSE_WAIT_TIMEOUT_S") or DEFAULT_WAIT_TIMEOUT_S)
+
+
 def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """The process group ``group`` names (the default group for None), checked for membership."""
     if not dist.is_initialized():
@@ -82,8 +87,7 @@ class Communicator:
         self.workspace: layout.Workspace | None = None
         self.launch: layout.LaunchContext | None = None  # what the Triton kernels' launches take
         self.flashinfer = None
-        self.wait_timeout_s = float(
-            wait_timeout_s or os.environ.get("TPFUSE_WAIT_TIMEOUT_S") or DEFAULT_WAIT_TIMEOUT_S)
+        self.wait_timeout_s = float(wait_timeout_s or default_wait_timeout_s())
         self._destroyed = False
         self._busy = threading.Lock()  # held while a fused call runs: one thread at a time (see run_fused)
         self._error: str | None = None  # set once a fused call failed: the communicator is unusable

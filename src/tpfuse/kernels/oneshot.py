@@ -3,17 +3,21 @@
 Protocol (no barrier round trip, graph-safe; see docs/kernel-notes.md):
 
     call c uses slot s = c % 3 of every rank's buffer; rank r's rows go to region r of that slot
-    rows:   dealt round-robin to min(T, max_programs) programs, the same on every rank
+    rows:   dealt round-robin to min(T, max_programs) programs (at least one), the same on every rank
+    tell:   program 0 stores this call's descriptor (tokens, hidden, flags, call number, region size)
+            into descriptor RANK of slot s of every peer, before anything else
     push:   every program stores its rows of x (with -0.0 made +0.0) into region RANK of slot s of
             every peer; a few large rows are pushed instead by programs of their own, one chunk each,
             with lower program ids than the rows' (split_push_programs)
     clear:  the programs together reset slot (c - 1) % 3 to the sentinel, over the extent the
             previous call wrote (kept on the device, never recomputed from this call's shape),
             while the pushed data is in flight
+    check:  every program waits for each peer's descriptor of slot s and compares it with its own; a
+            peer whose call differs fails the call at once (recorded, every wait then gives up)
     wait:   it polls region r of its own slot s (volatile loads) until no word holds the sentinel
-            (-0.0), for each peer r; its own rows it reads from x
-    reduce: fp32 sum in rank order, + residual, RMSNorm, * weight, optional fp8
-    count:  the last program to finish records this call's extent and advances c
+            (-0.0), for each peer r, until the deadline; its own rows it reads from x
+    reduce: fp32 sum in rank order, + residual, RMSNorm, * weight, optional fp8 (NaN once failed)
+    count:  the last program to finish records this call's extent (and a failure) and advances c
 
 A peer can be at most one call ahead (it needs our data to finish each call), so it only ever
 writes slot (c + 1) % 3, which the call before this one cleared: three slots suffice. Programs

@@ -235,6 +235,15 @@ def _poisoned(h, failed):
 
 
 @triton.jit
+def _nan_bits(ptr):
+    """A quiet NaN of ``ptr``'s 16-bit float type, as an int16 word."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        return tl.full([], 0x7FC0, tl.int16)
+    else:
+        return tl.full([], 0x7E00, tl.int16)
+
+
+@triton.jit
 def _sum_in_rank_order(x_ptr, own_bits, slot_ptr, region_elems, offs, mask, deadline, failed,
                        RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr):
     """fp32 sum of one row over the ranks, in rank order: ours from ``own_bits``, each peer's from its

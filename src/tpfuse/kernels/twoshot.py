@@ -30,7 +30,7 @@ import triton.language as tl
 
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (_check_peers, _clear_slot, _descriptors, _finish_call, _multiple_of_8,
-                                     _peer_base, _poisoned, _sendable, _sendable_bits, _slots, _start_clock,
+                                     _nan_bits, _peer_base, _sendable, _sendable_bits, _slots, _start_clock,
                                      _store_normed, _sum_in_rank_order, _wait_row, kernel_arguments,
                                      launch_config)
 
@@ -103,8 +103,7 @@ def _gather_others(y_ptr, h_ptr, scale_ptr, own_slot, w, hidden, region_elems, e
             offs = row.to(tl.int64) * hidden + cols
             h_bits, missing = _wait_row(own_slot + owner * region_elems + offs, mask, deadline)
             failed |= missing
-            h_bits = _poisoned(h_bits.to(h_ptr.dtype.element_ty, bitcast=True), failed).to(
-                h_ptr.dtype.element_ty).to(tl.int16, bitcast=True)
+            h_bits = tl.where(failed > 0, _nan_bits(h_ptr), h_bits)  # as _poisoned, for words
             _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
         i += 1
     return failed

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tpfuse import _stats, select
 from tpfuse.comm import agreement
-from tpfuse.comm.communicator import DEFAULT_WAIT_TIMEOUT_S, lookup_communicator, resolve_group
+from tpfuse.comm.communicator import default_wait_timeout_s, lookup_communicator, resolve_group
 from tpfuse.kernels.reference import add_rmsnorm_reference
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -134,7 +134,7 @@ def _run(x, residual, weight, eps, group_name, quant_scale, y, h) -> None:
             return
     group = _group_by_name(group_name)
     checking = checking and dist.get_world_size(group) > 1
-    timeout = comm.wait_timeout_s if comm is not None else DEFAULT_WAIT_TIMEOUT_S
+    timeout = comm.wait_timeout_s if comm is not None else default_wait_timeout_s()
     if checking:  # the kernels' comparison of calls does not cover the group's all-reduce: compare here
         agreement.check_reference_call(group, n_tokens, hidden, x.dtype, residual is not None,
                                        quant_scale is not None, timeout)
