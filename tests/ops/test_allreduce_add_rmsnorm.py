@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
-from tpfuse.kernels.layout import NUM_SLOTS
 from tpfuse.testing import rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
 

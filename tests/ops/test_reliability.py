@@ -50,9 +50,9 @@ def _stall(rank, world_size, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stalled_peer_raises_instead_of_hanging(rank_pool, backend):
     report = rank_pool(2, backend).run(_stall, backend, timeout=300)[0]
-    assert "fused call #1 (13 x 512 bfloat16 oneshot, residual) gave up after waiting 1" in report["raised"], \
-        report
-    assert "(wait_timeout_s=1)" in report["raised"] and "group " in report["raised"] and "rank 0" in report["raised"]
+    raised = report["raised"]
+    assert "fused call #1 (13 x 512 bfloat16 oneshot, residual) gave up after waiting 1" in raised, report
+    assert "(wait_timeout_s=1)" in raised and "group " in raised and "rank 0" in raised
     assert 1.0 <= report["seconds"] < 3.0, report  # the bound holds in wall time
     assert "gave up" in report["unusable after"], report
 
@@ -88,8 +88,8 @@ def _disagree(rank, world_size, name):
         error = None
     except RuntimeError as exc:
         error = str(exc)
-    report = {"error": error, "seconds": time.monotonic() - began,
-              "outputs": "untouched" if bool((h == 7.0).all()) else "NaN" if bool(h.isnan().all()) else "data"}
+    outputs = "untouched" if bool((h == 7.0).all()) else "NaN" if bool(h.isnan().all()) else "data"
+    report = {"error": error, "seconds": time.monotonic() - began, "outputs": outputs}
     tpfuse.get_communicator(group).destroy()
     return report
 

@@ -38,7 +38,8 @@ class Disagreement(RuntimeError):
     """The ranks of a group are not doing the same thing (or a peer never came): raised on every rank."""
 
 
-def exchange(group: dist.ProcessGroup, fields: dict[str, int], timeout_s: float | None, what: str) -> list[dict]:
+def exchange(group: dist.ProcessGroup, fields: dict[str, int], timeout_s: float | None,
+             what: str) -> list[dict]:
     """All-gather every rank's ``fields`` (ints); raise :class:`Disagreement` naming the first field
     whose values differ. ``timeout_s`` bounds the wait where the group's backend can (gloo; None: the
     process group's own timeout), and the error then says which exchange a peer never joined.

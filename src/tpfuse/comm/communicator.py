@@ -259,7 +259,8 @@ class Communicator:
             seen = state[layout.STATE_ERROR_SEEN:layout.STATE_ERROR_SEEN + layout.DESC_WORDS]
             self._error = (
                 f"{where} ({layout.explain_descriptor(own, seen)}) does not match rank {peer}'s call "
-                f"({layout.explain_descriptor(seen, own)}): every rank must make the same calls in the same order. "
+                f"({layout.explain_descriptor(seen, own)}): every rank must make the same calls in the same "
+                "order. "
                 "Its outputs are NaN. Destroy this communicator and create a new one, on every rank.")
         else:
             waited = self.wait_timeout_s if waited_s is None else waited_s
@@ -292,7 +293,8 @@ class Communicator:
                     "capture; size it with tpfuse.get_communicator(max_tokens=..., hidden=...) first"
                 )
             torch.cuda.synchronize(self.device)
-        self._agree(max_tokens, hidden, "growth")  # also the barrier: no peer still pushes into the old buffers
+        # Also the barrier: no peer may still be pushing into the old buffers.
+        self._agree(max_tokens, hidden, "growth")
         self._release()
         self._allocate(max_tokens, hidden)
 

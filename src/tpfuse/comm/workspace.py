@@ -1,7 +1,8 @@
 """Peer-mapped buffers the kernels push into: torch symmetric memory on CUDA, shared files on CPU.
 
 Each rank owns one buffer of ``layout.buffer_elems`` 16-bit words (the slots, then the call
-descriptors), filled with the sentinel, plus a small private state vector the kernels use to rotate slots. Every rank holds a
+descriptors), filled with the sentinel, plus a small private state vector the kernels use to rotate
+slots. Every rank holds a
 table of the device addresses of all ranks' buffers (``peer_ptrs``): kernels reach peers only
 through it, never through tensor arguments (the Triton interpreter copies tensor arguments back
 after a launch, which would overwrite what peers wrote meanwhile).

@@ -77,8 +77,8 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     own = _peer_base(peer_ptrs_ptr, RANK)
-    desc, desc_slot = _descriptors(peer_ptrs_ptr, slot, region_elems, n_tokens, hidden, call, pid, RANK, WORLD,
-                                   DESC_FLAGS)
+    desc, desc_slot = _descriptors(peer_ptrs_ptr, slot, region_elems, n_tokens, hidden, call, pid, RANK,
+                                   WORLD, DESC_FLAGS)
 
     dst_base = slot_base + RANK * region_elems
     if SPLIT_PUSH:

@@ -295,7 +295,8 @@ def _clear_slot(
 
 
 @triton.jit
-def _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_programs, RELAXED_ARRIVE: tl.constexpr):
+def _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_programs,
+                 RELAXED_ARRIVE: tl.constexpr):
     """Record a failed call; the last program of the launch records the extent and advances the call.
 
     The error entries hold the failed call's number (1-based) and descriptor, for the host to report

@@ -143,8 +143,8 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     own = _peer_base(peer_ptrs_ptr, RANK)
-    desc, desc_slot = _descriptors(peer_ptrs_ptr, slot, region_elems, n_tokens, hidden, call, pid, RANK, WORLD,
-                                   DESC_FLAGS)
+    desc, desc_slot = _descriptors(peer_ptrs_ptr, slot, region_elems, n_tokens, hidden, call, pid, RANK,
+                                   WORLD, DESC_FLAGS)
     own_slot = own + slot_base
     send_base = slot_base + RANK * region_elems  # where our words go in a peer's slot
     my_rows = (n_tokens - pid + n_programs - 1) // n_programs  # rows pid, pid + programs, ...
@@ -169,9 +169,9 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
             after = tl.minimum(last + group_rows, my_rows)
             _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, last, after, cols, mask,
                      RANK, WORLD)
-        failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, own_slot, send_base,
-                               w, hidden, region_elems, eps, n_programs, pid, first, last, cols, mask,
-                               deadline, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL, HAS_QUANT)
+        failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, own_slot,
+                               send_base, w, hidden, region_elems, eps, n_programs, pid, first, last, cols,
+                               mask, deadline, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL, HAS_QUANT)
         failed = _gather_others(y_ptr, h_ptr, scale_ptr, own_slot, w, hidden, region_elems, eps, n_programs,
                                 pid, first, last, cols, mask, deadline, failed, WORLD, RANK, HAS_QUANT)
         first = last
