@@ -5,7 +5,7 @@
 # counts, 5 providers), `variants` 2 min, the end-to-end benchmark 3-5 min: a 10-minute device call
 # holds one part.
 # Usage (device tool, carry [".anchors"] for FlashInfer):
-#   bash scripts/gpu_check.sh [quick|tests|bench|variants|e2e|hf|hf-pairs|soak-start|soak-wait]
+#   bash scripts/gpu_check.sh [quick|tests|bench|variants|baseline|e2e|hf|hf-pairs|soak-start|soak-wait]
 # Needs: 2+ GPUs, python3 with torch (>= 2.11) and triton; nothing is installed from a registry.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -85,6 +85,20 @@ if [ "$MODE" = soak-wait ]; then
   grep -E "soak|passed|failed|skipped|Error" "$SOAK_LOG" | tail -6
   grep -q " passed" "$SOAK_LOG"
   exit $?
+fi
+
+# `baseline`: small calls of this tree and of an earlier one (its src/ copied into .baseline/, carried
+# along) in one call, alternating, so a change's cost is measured on the same machine and run.
+if [ "$MODE" = baseline ]; then
+  for round in 1 2; do
+    for tree in src .baseline/src; do
+      PYTHONPATH=$PWD/$tree:/tmp/anchor-site timeout 150 torchrun --nproc_per_node=2 -m tpfuse bench kernel \
+        --hidden 4096,8192 --tokens 1,8,64 --providers tpfuse,flashinfer --out "$OUT/baseline-$round-${tree%%/*}" \
+        > "$OUT/baseline.log" 2>&1 || status=1
+      echo "== round $round: $tree"; grep -A8 "^hidden tokens" "$OUT/baseline.log"
+    done
+  done
+  exit $status
 fi
 
 if [ "$MODE" = variants ]; then
