@@ -104,7 +104,9 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     deadline = _start_clock(wait_limit, DEADLINE_GIVEN)
-    deadline, failed = _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK, WORLD)
+    failed = 0
+    if first_row >= n_tokens:  # no row here (a pusher, an empty call): check the peers' calls alone
+        deadline, failed = _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK, WORLD)
     row = first_row
     while row < n_tokens:
         offs = row.to(tl.int64) * hidden + cols
@@ -112,8 +114,10 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         if HAS_RESIDUAL:
             res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x_bits = _sendable_bits(x_ptr, offs, mask)
-        h, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask, deadline,
-                                       failed, RANK, WORLD, BLOCK_H)
+        # Each peer's row is polled together with its descriptor: no round trip of its own for the check.
+        h, deadline, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask,
+                                                 deadline, failed, desc, own + desc_slot, state_ptr, RANK,
+                                                 WORLD, BLOCK_H, True)
         if HAS_RESIDUAL:
             h += res
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)

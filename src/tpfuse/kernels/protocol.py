@@ -207,25 +207,57 @@ def _descriptors(peer_ptrs_ptr, slot, region_elems, n_tokens, hidden, call, pid,
 
 
 @triton.jit
+def _record_mismatch(seen, desc, missing, state_ptr, r):
+    """1 if peer r's descriptor ``seen`` has arrived and differs from ours ``desc``, recorded in the state
+    vector (every program that sees it writes the same words); else 0."""
+    differs = tl.max((seen != desc).to(tl.int32), axis=0) * (1 - missing)
+    if differs > 0:
+        tl.store(state_ptr + _STATE_ERROR_SEEN + tl.arange(0, _DESC_WORDS), seen.to(tl.int32))
+        tl.store(state_ptr + _STATE_ERROR_PEER, r + 1)
+    return differs
+
+
+@triton.jit
 def _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK: tl.constexpr, WORLD: tl.constexpr):
     """Wait for every peer's descriptor of this call and compare it with ours. Returns (deadline, failed).
 
-    A peer whose call differs is recorded in the state vector (every program that sees it writes the
-    same words) and the deadline is made past, so no wait of this call blocks further: the rows such
-    a peer sends may never come, or be of another shape.
+    A peer whose call differs is recorded and the deadline is made past, so no wait of this call
+    blocks further: the rows such a peer sends may never come, or be of another shape.
     """
     i = tl.arange(0, _DESC_WORDS)
     failed = 0
     for r in tl.static_range(WORLD):
         if r != RANK:
             seen, missing = _wait_row(own + desc_slot + r * _DESC_WORDS + i, i < _DESC_WORDS, deadline)
-            differs = tl.max((seen != desc).to(tl.int32), axis=0) * (1 - missing)
+            differs = _record_mismatch(seen, desc, missing, state_ptr, r)
             if differs > 0:
-                tl.store(state_ptr + _STATE_ERROR_SEEN + i, seen.to(tl.int32))
-                tl.store(state_ptr + _STATE_ERROR_PEER, r + 1)
                 deadline = deadline * 0  # past
             failed |= missing | differs
     return deadline, failed
+
+
+@triton.jit
+def _wait_row_checked(src, mask, desc_src, desc, deadline, state_ptr, r):
+    """``_wait_row`` for a row of peer r that also waits for r's descriptor and compares it, both polled
+    in the same loop, so the check adds no round trip after the row's. Returns (row, deadline, failed);
+    a descriptor that differs ends the wait at once and makes the deadline past."""
+    i = tl.arange(0, _DESC_WORDS)
+    bits = tl.load(src, mask=mask, other=0, volatile=True)
+    seen = tl.load(desc_src + i, volatile=True)
+    missing = tl.max((bits == _SENTINEL).to(tl.int32), axis=0) | \
+        tl.max((seen == _SENTINEL).to(tl.int32), axis=0)
+    differs = tl.max((seen != desc).to(tl.int32) * (seen != _SENTINEL).to(tl.int32), axis=0)
+    while (missing > 0) & (differs == 0) & (_now() < deadline):
+        bits = tl.load(src, mask=mask, other=0, volatile=True)
+        seen = tl.load(desc_src + i, volatile=True)
+        missing = tl.max((bits == _SENTINEL).to(tl.int32), axis=0) | \
+            tl.max((seen == _SENTINEL).to(tl.int32), axis=0)
+        differs = tl.max((seen != desc).to(tl.int32) * (seen != _SENTINEL).to(tl.int32), axis=0)
+    desc_missing = tl.max((seen == _SENTINEL).to(tl.int32), axis=0)
+    differs = _record_mismatch(seen, desc, desc_missing, state_ptr, r)
+    if differs > 0:
+        deadline = deadline * 0  # past
+    return bits, deadline, (missing > 0).to(tl.int32) | differs
 
 
 @triton.jit
@@ -244,19 +276,27 @@ def _nan_bits(ptr):
 
 
 @triton.jit
-def _sum_in_rank_order(x_ptr, own_bits, slot_ptr, region_elems, offs, mask, deadline, failed,
-                       RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr):
+def _sum_in_rank_order(x_ptr, own_bits, slot_ptr, region_elems, offs, mask, deadline, failed, desc, desc_ptr,
+                       state_ptr, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
+                       CHECK: tl.constexpr):
     """fp32 sum of one row over the ranks, in rank order: ours from ``own_bits``, each peer's from its
-    region of our slot (``slot_ptr``) once it has arrived; NaN once the call failed. Returns (sum, failed)."""
+    region of our slot (``slot_ptr``) once it has arrived; with CHECK, only from a peer whose descriptor
+    (at ``desc_ptr``, the slot's) equals ``desc``. NaN once the call failed. Returns (sum, deadline,
+    failed)."""
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for r in tl.static_range(WORLD):
         if r == RANK:
             bits = own_bits
         else:
-            bits, missing = _wait_row(slot_ptr + r * region_elems + offs, mask, deadline)
-            failed |= missing
+            src = slot_ptr + r * region_elems + offs
+            if CHECK:
+                bits, deadline, bad = _wait_row_checked(src, mask, desc_ptr + r * _DESC_WORDS, desc, deadline,
+                                                        state_ptr, r)
+            else:
+                bits, bad = _wait_row(src, mask, deadline)
+            failed |= bad
         acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
-    return _poisoned(acc, failed), failed
+    return _poisoned(acc, failed), deadline, failed
 
 
 @triton.jit

@@ -76,8 +76,10 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, o
             offs = row.to(tl.int64) * hidden + cols
             if HAS_RESIDUAL:
                 res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            acc, failed = _sum_in_rank_order(x_ptr, _sendable_bits(x_ptr, offs, mask), own_slot, region_elems,
-                                             offs, mask, deadline, failed, RANK, WORLD, BLOCK_H)
+            # The peers' calls were checked before any row (a program may only gather): no CHECK here.
+            acc, deadline, failed = _sum_in_rank_order(x_ptr, _sendable_bits(x_ptr, offs, mask), own_slot,
+                                                       region_elems, offs, mask, deadline, failed, 0,
+                                                       own_slot, own_slot, RANK, WORLD, BLOCK_H, False)
             if HAS_RESIDUAL:
                 acc += res
             # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
