@@ -40,9 +40,6 @@ def _compile_all() -> None:
 
     kernels = {"oneshot": _oneshot_allreduce_add_rmsnorm_kernel,
                "twoshot": _twoshot_allreduce_add_rmsnorm_kernel}
-    # The call descriptor's 8 words (a thread a word) per peer: its send, its clear and two polls (a loop's
-    # first look and the loop), and in the one-shot two more where a row's wait polls it too.
-    descriptor_accesses = {"oneshot": 6, "twoshot": 4}
     for name, world, dtype, quant, constexprs in SHAPES:
         kernel = kernels[name]
         flags = dict(RANK=world - 1, WORLD=world, HAS_RESIDUAL=True, HAS_QUANT=quant, USE_PDL=True,
@@ -62,8 +59,7 @@ def _compile_all() -> None:
         ptx = compiled.asm["ptx"]
         narrow = len(re.findall(r"(?:ld|st)(?:\.volatile)?\.global\.b16", ptx))
         print(f"{name} W={world} {dtype} fp8={quant} {constexprs}: {len(compiled.asm['cubin'])} bytes, "
-              f"{narrow} narrow of {descriptor_accesses[name] * (world - 1)} allowed, "
-              f"{ptx.count('st.global')} stores")
+              f"{narrow} narrow, {ptx.count('st.global')} stores")
 
 
 def test_kernels_compile_for_sm90():
@@ -77,13 +73,11 @@ def test_kernels_compile_for_sm90():
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.count("bytes") == len(SHAPES), done.stdout
     lines = [line for line in done.stdout.splitlines() if line.endswith("stores")]
-    # Rows of 16-bit words move 16 bytes an access: pushes to peers, polls, clears, loads and stores.
+    # Rows of 16-bit words move 16 bytes an access: pushes to peers, polls, clears, loads and stores
+    # (call descriptors move as two 64-bit words).
     # Accesses of one word each took 8x the transactions (over NVLink too) until the kernels said
-    # that peer buffers and sizes are aligned. The only narrow accesses left are the call
-    # descriptor's (see descriptor_accesses).
-    narrow = [line for line in lines
-              if re.search(r", (\d+) narrow of (\d+) allowed", line).group(1) !=
-              re.search(r", (\d+) narrow of (\d+) allowed", line).group(2)]
+    # that peer buffers and sizes are aligned.
+    narrow = [line for line in lines if not line.endswith(" 0 narrow, " + line.rsplit(", ", 1)[1])]
     assert not narrow, "16-bit global accesses left:\n" + "\n".join(narrow)
 
 
