@@ -188,10 +188,11 @@ def _describe_call(n_tokens, hidden, call, region_elems, FLAGS: tl.constexpr):
     """This call's descriptor (``layout.describe_call``) as two int64 words, word k of the eight in
     bits 16k.. of the first (k < 4) or the second: loaded and compared as two scalars, a descriptor
     costs a poll loop no reduction across the program's threads."""
-    t = n_tokens.to(tl.int64)
-    r = region_elems.to(tl.int64)
-    lo = (t & 0x7FFF) | ((t >> 15) & 0x7FFF) << 16 | (hidden.to(tl.int64) & 0x7FFF) << 32 | FLAGS << 48
-    hi = (call.to(tl.int64) & 0x7FFF) | (r & 0x7FFF) << 16 | ((r >> 15) & 0x7FFF) << 32 | \
+    zero = tl.zeros([], tl.int64)  # an int64 of each: Triton passes a count of 1 as a constant int
+    t = n_tokens + zero
+    r = region_elems + zero
+    lo = (t & 0x7FFF) | ((t >> 15) & 0x7FFF) << 16 | ((hidden + zero) & 0x7FFF) << 32 | FLAGS << 48
+    hi = ((call + zero) & 0x7FFF) | (r & 0x7FFF) << 16 | ((r >> 15) & 0x7FFF) << 32 | \
         ((r >> 30) & 0x7FFF) << 48
     return lo, hi
 
