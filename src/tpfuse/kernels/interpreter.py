@@ -6,9 +6,8 @@ sentinel. That needs each word to be written and read in one piece. On a GPU it 
 size known only at run time, and glibc may copy those two bytes one at a time: a rank polling a
 word that a peer process is writing can read one new byte and one old byte, a value that is neither
 the sentinel nor the data (with glibc 2.36, torn words appear within seconds of polling). So while a
-shared-file workspace exists, 16-bit loads and stores of contiguous rows (and the 64-bit words of
-call descriptors) go through a numpy ufunc instead, whose typed loop moves whole aligned words.
-Other accesses keep Triton's own path.
+shared-file workspace exists, 16-bit loads and stores of contiguous rows go through a numpy ufunc
+instead, whose typed loop moves whole aligned words. Other accesses keep Triton's own path.
 
 The kernels bound every wait with the GPU's nanosecond timer (``protocol._now``, inline assembly),
 which the interpreter cannot run; here it reads the host's monotonic clock instead, so the bound
@@ -23,27 +22,22 @@ import time
 import numpy as np
 
 _installed = False
-# Word sizes served whole: 16-bit data words, and the 64-bit halves of call descriptors.
-_WORDS = {2: (np.uint16, ctypes.c_uint16), 8: (np.uint64, ctypes.c_uint64)}
+_ZERO = np.uint16(0)
 
 
-def _word_span(ptrs: np.ndarray, mask: np.ndarray, size: int):
-    """(first, last, lanes, words) when ``ptrs`` are consecutive aligned words of ``size`` bytes (2 or
-    8) and a lane is on.
+def _word_span(ptrs: np.ndarray, mask: np.ndarray):
+    """(first, last, lanes, words) when ``ptrs`` are consecutive aligned 16-bit words and a lane is on.
 
-    ``lanes`` is the mask flattened, first..last bound the lanes that are on, and ``words`` is an
-    unsigned view of the memory of lanes first..last. None otherwise: Triton's own path then serves
-    the access.
+    ``lanes`` is the mask flattened, first..last bound the lanes that are on, and ``words`` is a uint16
+    view of the memory of lanes first..last. None otherwise: Triton's own path then serves the access.
     """
-    if size not in _WORDS:
-        return None
     flat = ptrs.ravel()
     lanes = np.broadcast_to(mask, ptrs.shape).ravel()
     on = np.flatnonzero(lanes)
-    if on.size == 0 or flat[0] % size or np.any(np.diff(flat) != size):
+    if on.size == 0 or flat[0] % 2 or np.any(np.diff(flat) != 2):
         return None
     first, last = int(on[0]), int(on[-1])
-    words = np.ctypeslib.as_array((_WORDS[size][1] * (last - first + 1)).from_address(int(flat[first])))
+    words = np.ctypeslib.as_array((ctypes.c_uint16 * (last - first + 1)).from_address(int(flat[first])))
     return first, last, lanes, words
 
 
@@ -75,32 +69,29 @@ def install() -> None:
     def create_masked_load(self, ptrs, mask, other, cache_modifier, eviction_policy, is_volatile):
         dtype_tt = ptrs.get_element_ty()
         dtype_np = np.dtype(interpreter._get_np_dtype(dtype_tt))
-        span = _word_span(ptrs.data, mask.data, dtype_np.itemsize)
+        span = _word_span(ptrs.data, mask.data) if dtype_np.itemsize == 2 else None
         if span is None:
             return triton_load(self, ptrs, mask, other, cache_modifier, eviction_policy, is_volatile)
         first, last, lanes, words = span
-        unsigned = _WORDS[dtype_np.itemsize][0]
         if other is None:
-            loaded = np.zeros(lanes.size, unsigned)
+            loaded = np.zeros(lanes.size, np.uint16)
         else:
-            loaded = np.broadcast_to(other.data, ptrs.data.shape).astype(dtype_np).view(unsigned).ravel()
+            loaded = np.broadcast_to(other.data, ptrs.data.shape).astype(dtype_np).view(np.uint16).ravel()
         # Only the span between the first and last lanes that are on is read (all of it is mapped),
         # by a typed loop: each word is read whole.
         part = slice(first, last + 1)
-        loaded[part] = np.where(lanes[part], np.bitwise_or(words, unsigned(0)), loaded[part])
+        loaded[part] = np.where(lanes[part], np.bitwise_or(words, _ZERO), loaded[part])
         return interpreter.TensorHandle(loaded.view(dtype_np).reshape(ptrs.data.shape), dtype_tt)
 
     def create_masked_store(self, ptrs, value, mask, cache_modifier, eviction_policy):
-        size = value.data.dtype.itemsize
-        span = _word_span(ptrs.data, mask.data, size)
+        span = _word_span(ptrs.data, mask.data) if value.data.dtype.itemsize == 2 else None
         if span is None:
             return triton_store(self, ptrs, value, mask, cache_modifier, eviction_policy)
         first, last, lanes, words = span
         part = slice(first, last + 1)
-        unsigned = _WORDS[size][0]
-        values = np.broadcast_to(value.data, ptrs.data.shape).view(unsigned).ravel()
+        values = np.broadcast_to(value.data, ptrs.data.shape).view(np.uint16).ravel()
         # Lanes that are off are left untouched; each written word is written whole.
-        np.bitwise_or(values[part], unsigned(0), out=words, where=lanes[part])
+        np.bitwise_or(values[part], _ZERO, out=words, where=lanes[part])
 
     def create_inline_asm(self, asm, constraints, values, type, is_pure, pack):
         if "%globaltimer" not in asm:

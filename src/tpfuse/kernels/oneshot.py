@@ -77,7 +77,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     own = _peer_base(peer_ptrs_ptr, RANK)
-    lo, hi, desc_slot = _descriptors(peer_ptrs_ptr, slot, region_elems, n_tokens, hidden, call, pid, RANK,
+    desc, desc_slot = _descriptors(peer_ptrs_ptr, slot, region_elems, n_tokens, hidden, call, pid, RANK,
                                    WORLD, DESC_FLAGS)
 
     dst_base = slot_base + RANK * region_elems
@@ -104,9 +104,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     deadline = _start_clock(wait_limit, DEADLINE_GIVEN)
-    failed = 0
-    if first_row >= n_tokens:  # no row here (a pusher, an empty call): check the peers' calls alone
-        deadline, failed = _check_peers(lo, hi, own, desc_slot, state_ptr, deadline, RANK, WORLD)
+    deadline, failed = _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK, WORLD)
     row = first_row
     while row < n_tokens:
         offs = row.to(tl.int64) * hidden + cols
@@ -114,10 +112,8 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         if HAS_RESIDUAL:
             res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         x_bits = _sendable_bits(x_ptr, offs, mask)
-        # Each peer's row is polled together with its descriptor: no round trip of its own for the check.
-        h, deadline, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask,
-                                                 deadline, failed, lo, hi, own, desc_slot, state_ptr,
-                                                 RANK, WORLD, BLOCK_H, True)
+        h, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask, deadline,
+                                       failed, RANK, WORLD, BLOCK_H)
         if HAS_RESIDUAL:
             h += res
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
@@ -125,7 +121,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         row += row_step
     if not CLEAR_FIRST:
         _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
-    _finish_call(state_ptr, call, slot, n_tokens, hidden, lo, hi, failed, n_programs, RELAXED_ARRIVE)
+    _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_programs, RELAXED_ARRIVE)
 
 
 @dataclass(frozen=True)

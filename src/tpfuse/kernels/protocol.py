@@ -30,8 +30,6 @@ _STATE_ERROR_PEER = tl.constexpr(layout.STATE_ERROR_PEER)
 _STATE_ERROR_OWN = tl.constexpr(layout.STATE_ERROR_OWN)
 _STATE_ERROR_SEEN = tl.constexpr(layout.STATE_ERROR_SEEN)
 _DESC_WORDS = tl.constexpr(layout.DESC_WORDS)
-# Bit 15 of each 16-bit word of an int64: set in the sentinel, clear in every descriptor word.
-_DESC_HIGH_BITS = tl.constexpr(0x8000800080008000 - (1 << 64))
 
 # 16 warps of 32 threads, 8 elements a thread: a row of 4096 a pass. 32 warps (a row of 8192 over
 # 1024 threads, FlashInfer's shape) measured the same on 2 x H200 (docs/kernel-notes.md).
@@ -185,109 +183,49 @@ def _wait_row(src, mask, deadline):
 
 @triton.jit
 def _describe_call(n_tokens, hidden, call, region_elems, FLAGS: tl.constexpr):
-    """This call's descriptor (``layout.describe_call``) as two int64 words, word k of the eight in
-    bits 16k.. of the first (k < 4) or the second: loaded and compared as two scalars, a descriptor
-    costs a poll loop no reduction across the program's threads."""
-    zero = tl.zeros([], tl.int64)  # an int64 of each: Triton passes a count of 1 as a constant int
-    t = n_tokens + zero
-    r = region_elems + zero
-    lo = (t & 0x7FFF) | ((t >> 15) & 0x7FFF) << 16 | ((hidden + zero) & 0x7FFF) << 32 | FLAGS << 48
-    hi = ((call + zero) & 0x7FFF) | (r & 0x7FFF) << 16 | ((r >> 15) & 0x7FFF) << 32 | \
-        ((r >> 30) & 0x7FFF) << 48
-    return lo, hi
-
-
-@triton.jit
-def _desc_ptr(base, desc_slot, r):
-    """Rank r's descriptor in a slot's descriptors starting at ``desc_slot`` of buffer ``base``, as two
-    int64 words (16-byte aligned: the descriptors start on a multiple of 8 words)."""
-    return tl.multiple_of((base + desc_slot + r * _DESC_WORDS).to(tl.pointer_type(tl.int64)), 2)
+    """This call's descriptor: ``layout.describe_call`` as a vector of DESC_WORDS int16 words."""
+    i = tl.arange(0, _DESC_WORDS)
+    words = tl.where(i == 0, n_tokens, tl.where(i == 1, n_tokens >> 15, tl.where(i == 2, hidden, tl.where(
+        i == 3, FLAGS, tl.where(i == 4, call, tl.where(i == 5, region_elems, tl.where(
+            i == 6, region_elems >> 15, region_elems >> 30)))))))
+    return (words & 0x7FFF).to(tl.int16)
 
 
 @triton.jit
 def _descriptors(peer_ptrs_ptr, slot, region_elems, n_tokens, hidden, call, pid, RANK: tl.constexpr,
                  WORLD: tl.constexpr, FLAGS: tl.constexpr):
-    """(lo, hi, where the slot's descriptors start): program 0 sends this call's descriptor to every
+    """(descriptor, where the slot's descriptors start): program 0 sends this call's descriptor to every
     peer, first thing, so that it is on its way before anyone waits."""
-    lo, hi = _describe_call(n_tokens, hidden, call, region_elems, FLAGS)
+    desc = _describe_call(n_tokens, hidden, call, region_elems, FLAGS)
     desc_slot = _desc_base(slot, region_elems, WORLD)
     if pid == 0:
+        i = tl.arange(0, _DESC_WORDS)
         for r in tl.static_range(WORLD):
             if r != RANK:
-                dst = _desc_ptr(_peer_base(peer_ptrs_ptr, r), desc_slot, RANK)
-                tl.store(dst, lo)
-                tl.store(dst + 1, hi)
-    return lo, hi, desc_slot
+                tl.store(_peer_base(peer_ptrs_ptr, r) + desc_slot + RANK * _DESC_WORDS + i, desc)
+    return desc, desc_slot
 
 
 @triton.jit
-def _desc_missing(seen_lo, seen_hi):
-    """1 while a descriptor has not fully arrived: a word still holds the sentinel (its bit 15 set;
-    written words never have it)."""
-    return (((seen_lo | seen_hi) & _DESC_HIGH_BITS) != 0).to(tl.int32)
-
-
-@triton.jit
-def _store_words(ptr, lo, hi):
-    """The eight 16-bit words of a descriptor as int32 entries of the state vector (failure path)."""
-    for k in tl.static_range(4):
-        tl.store(ptr + k, ((lo >> (16 * k)) & 0xFFFF).to(tl.int32))
-        tl.store(ptr + 4 + k, ((hi >> (16 * k)) & 0xFFFF).to(tl.int32))
-
-
-@triton.jit
-def _record_mismatch(seen_lo, seen_hi, lo, hi, state_ptr, r):
-    """1 if peer r's descriptor has arrived and differs from ours, recorded in the state vector (every
-    program that sees it writes the same words); else 0."""
-    differs = (((seen_lo != lo) | (seen_hi != hi)).to(tl.int32)) * (1 - _desc_missing(seen_lo, seen_hi))
-    if differs > 0:
-        _store_words(state_ptr + _STATE_ERROR_SEEN, seen_lo, seen_hi)
-        tl.store(state_ptr + _STATE_ERROR_PEER, r + 1)
-    return differs
-
-
-@triton.jit
-def _check_peers(lo, hi, own, desc_slot, state_ptr, deadline, RANK: tl.constexpr, WORLD: tl.constexpr):
+def _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK: tl.constexpr, WORLD: tl.constexpr):
     """Wait for every peer's descriptor of this call and compare it with ours. Returns (deadline, failed).
 
-    A peer whose call differs is recorded and the deadline is made past, so no wait of this call
-    blocks further: the rows such a peer sends may never come, or be of another shape.
+    A peer whose call differs is recorded in the state vector (every program that sees it writes the
+    same words) and the deadline is made past, so no wait of this call blocks further: the rows such
+    a peer sends may never come, or be of another shape.
     """
+    i = tl.arange(0, _DESC_WORDS)
     failed = 0
     for r in tl.static_range(WORLD):
         if r != RANK:
-            src = _desc_ptr(own, desc_slot, r)
-            seen_lo = tl.load(src, volatile=True)
-            seen_hi = tl.load(src + 1, volatile=True)
-            while (_desc_missing(seen_lo, seen_hi) > 0) & (_now() < deadline):
-                seen_lo = tl.load(src, volatile=True)
-                seen_hi = tl.load(src + 1, volatile=True)
-            differs = _record_mismatch(seen_lo, seen_hi, lo, hi, state_ptr, r)
+            seen, missing = _wait_row(own + desc_slot + r * _DESC_WORDS + i, i < _DESC_WORDS, deadline)
+            differs = tl.max((seen != desc).to(tl.int32), axis=0) * (1 - missing)
             if differs > 0:
+                tl.store(state_ptr + _STATE_ERROR_SEEN + i, seen.to(tl.int32))
+                tl.store(state_ptr + _STATE_ERROR_PEER, r + 1)
                 deadline = deadline * 0  # past
-            failed |= _desc_missing(seen_lo, seen_hi) | differs
+            failed |= missing | differs
     return deadline, failed
-
-
-@triton.jit
-def _wait_row_checked(src, mask, desc_src, lo, hi, deadline, state_ptr, r):
-    """``_wait_row`` for a row of peer r that also waits for r's descriptor and compares it, polled in the
-    same loop (two scalar loads more), so the check adds no round trip after the row's. Returns (row,
-    deadline, failed); a descriptor that differs ends the wait at once and makes the deadline past."""
-    bits = tl.load(src, mask=mask, other=0, volatile=True)
-    seen_lo = tl.load(desc_src, volatile=True)
-    seen_hi = tl.load(desc_src + 1, volatile=True)
-    missing = tl.max((bits == _SENTINEL).to(tl.int32), axis=0) | _desc_missing(seen_lo, seen_hi)
-    while (missing > 0) & (((seen_lo == lo) & (seen_hi == hi)) | (_desc_missing(seen_lo, seen_hi) > 0)) & \
-            (_now() < deadline):
-        bits = tl.load(src, mask=mask, other=0, volatile=True)
-        seen_lo = tl.load(desc_src, volatile=True)
-        seen_hi = tl.load(desc_src + 1, volatile=True)
-        missing = tl.max((bits == _SENTINEL).to(tl.int32), axis=0) | _desc_missing(seen_lo, seen_hi)
-    differs = _record_mismatch(seen_lo, seen_hi, lo, hi, state_ptr, r)
-    if differs > 0:
-        deadline = deadline * 0  # past
-    return bits, deadline, missing | differs
 
 
 @triton.jit
@@ -306,27 +244,19 @@ def _nan_bits(ptr):
 
 
 @triton.jit
-def _sum_in_rank_order(x_ptr, own_bits, slot_ptr, region_elems, offs, mask, deadline, failed, lo, hi, own,
-                       desc_slot, state_ptr, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
-                       CHECK: tl.constexpr):
+def _sum_in_rank_order(x_ptr, own_bits, slot_ptr, region_elems, offs, mask, deadline, failed,
+                       RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr):
     """fp32 sum of one row over the ranks, in rank order: ours from ``own_bits``, each peer's from its
-    region of our slot (``slot_ptr``) once it has arrived; with CHECK, only from a peer whose descriptor
-    (among the slot's at ``desc_slot`` of our buffer ``own``) equals ours (``lo``, ``hi``). NaN once
-    the call failed. Returns (sum, deadline, failed)."""
+    region of our slot (``slot_ptr``) once it has arrived; NaN once the call failed. Returns (sum, failed)."""
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for r in tl.static_range(WORLD):
         if r == RANK:
             bits = own_bits
         else:
-            src = slot_ptr + r * region_elems + offs
-            if CHECK:
-                bits, deadline, bad = _wait_row_checked(src, mask, _desc_ptr(own, desc_slot, r), lo, hi,
-                                                        deadline, state_ptr, r)
-            else:
-                bits, bad = _wait_row(src, mask, deadline)
-            failed |= bad
+            bits, missing = _wait_row(slot_ptr + r * region_elems + offs, mask, deadline)
+            failed |= missing
         acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
-    return _poisoned(acc, failed), deadline, failed
+    return _poisoned(acc, failed), failed
 
 
 @triton.jit
@@ -352,6 +282,7 @@ def _clear_slot(
     extent = _multiple_of_8(extent)  # tokens x hidden
     slot_base = _slot_base(slot, region_elems, WORLD)
     desc_slot = _desc_base(slot, region_elems, WORLD)
+    i = tl.arange(0, _DESC_WORDS)
     for r in tl.static_range(WORLD):
         if r != RANK:
             start = first * BLOCK_H
@@ -360,13 +291,11 @@ def _clear_slot(
                 tl.store(own + slot_base + r * region_elems + idx, sentinel, mask=idx < extent)
                 start += step * BLOCK_H
             if first == 0:
-                dst = _desc_ptr(own, desc_slot, r)
-                tl.store(dst, _DESC_HIGH_BITS)  # the sentinel in every word
-                tl.store(dst + 1, _DESC_HIGH_BITS)
+                tl.store(own + desc_slot + r * _DESC_WORDS + i, tl.full([_DESC_WORDS], _SENTINEL, tl.int16))
 
 
 @triton.jit
-def _finish_call(state_ptr, call, slot, n_tokens, hidden, lo, hi, failed, n_programs,
+def _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_programs,
                  RELAXED_ARRIVE: tl.constexpr):
     """Record a failed call; the last program of the launch records the extent and advances the call.
 
@@ -376,7 +305,7 @@ def _finish_call(state_ptr, call, slot, n_tokens, hidden, lo, hi, failed, n_prog
     no ordering.
     """
     if failed > 0:
-        _store_words(state_ptr + _STATE_ERROR_OWN, lo, hi)
+        tl.store(state_ptr + _STATE_ERROR_OWN + tl.arange(0, _DESC_WORDS), desc.to(tl.int32))
         tl.atomic_xchg(state_ptr + _STATE_ERROR, call + 1)
     if RELAXED_ARRIVE:
         arrived = tl.atomic_add(state_ptr + _STATE_ARRIVED, 1, sem="relaxed")

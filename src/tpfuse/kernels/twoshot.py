@@ -76,10 +76,8 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, o
             offs = row.to(tl.int64) * hidden + cols
             if HAS_RESIDUAL:
                 res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            # The peers' calls were checked before any row (a program may only gather): no CHECK here.
-            acc, deadline, failed = _sum_in_rank_order(x_ptr, _sendable_bits(x_ptr, offs, mask), own_slot,
-                                                       region_elems, offs, mask, deadline, failed, 0, 0,
-                                                       own_slot, 0, own_slot, RANK, WORLD, BLOCK_H, False)
+            acc, failed = _sum_in_rank_order(x_ptr, _sendable_bits(x_ptr, offs, mask), own_slot, region_elems,
+                                             offs, mask, deadline, failed, RANK, WORLD, BLOCK_H)
             if HAS_RESIDUAL:
                 acc += res
             # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
@@ -145,7 +143,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     own = _peer_base(peer_ptrs_ptr, RANK)
-    lo, hi, desc_slot = _descriptors(peer_ptrs_ptr, slot, region_elems, n_tokens, hidden, call, pid, RANK,
+    desc, desc_slot = _descriptors(peer_ptrs_ptr, slot, region_elems, n_tokens, hidden, call, pid, RANK,
                                    WORLD, DESC_FLAGS)
     own_slot = own + slot_base
     send_base = slot_base + RANK * region_elems  # where our words go in a peer's slot
@@ -164,7 +162,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
 
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     deadline = _start_clock(wait_limit, DEADLINE_GIVEN)
-    deadline, failed = _check_peers(lo, hi, own, desc_slot, state_ptr, deadline, RANK, WORLD)
+    deadline, failed = _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK, WORLD)
     while first < my_rows:
         after = my_rows
         if GROUPED:
@@ -178,7 +176,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
                                 pid, first, last, cols, mask, deadline, failed, WORLD, RANK, HAS_QUANT)
         first = last
         last = after
-    _finish_call(state_ptr, call, slot, n_tokens, hidden, lo, hi, failed, n_programs, True)
+    _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_programs, True)
 
 
 #: ``group_rows`` that takes all of a program's rows as one group: scatter all, reduce all, gather all.
