@@ -45,7 +45,7 @@ def _lifecycle(rank, world_size):
     except RuntimeError as exc:
         report["destroyed raises when used"] = "destroyed" in str(exc)
     fresh = tpfuse.get_communicator(g1)
-    report["fresh after destroy"] = fresh is not c1 and not fresh.destroyed and fresh.workspace is not None
+    report["fresh after destroy"] = fresh is not c1 and not fresh.destroyed and fresh.fused is not None
     tpfuse.destroy_all()
     report["destroy_all"] = all(c.destroyed for c in (a, c2, fresh))
     dist.barrier()

@@ -28,11 +28,13 @@ def _sequence(rank, world_size, backend, cases, check_clear):
         y, h = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
         out.append((y.cpu(), h.cpu()))
         if check_clear:  # the slot of the previous call is all sentinel again, peers' regions included
-            call = int(comm.workspace.state[STATE_CALL])
-            buf = comm.workspace.regions()
-            prev = buf[(call - 2) % NUM_SLOTS]
+            call = int(comm.fused.workspace.state[STATE_CALL])
+            workspace = comm.fused.workspace
+            prev = (call - 2) % NUM_SLOTS
             others = [r for r in range(world_size) if r != rank]
-            cleared.append(bool((prev[others] == SENTINEL).all()) if call >= 2 else True)
+            regions, descriptors = workspace.regions()[prev, others], workspace.descriptors()[prev, others]
+            cleared.append(bool((regions == SENTINEL).all() and (descriptors == SENTINEL).all())
+                           if call >= 2 else True)
     return out, cleared, tpfuse.stats()
 
 

@@ -25,8 +25,8 @@ def _sequence(rank, world_size, backend, cases, oneshot_max):
             )
             out.append((y.cpu(), h.cpu()))
             if device.type == "cpu":  # the previous call's slot is all sentinel again
-                call = int(comm.workspace.state[STATE_CALL])
-                prev = comm.workspace.regions()[
+                call = int(comm.fused.workspace.state[STATE_CALL])
+                prev = comm.fused.workspace.regions()[
                     (call - 2) % NUM_SLOTS
                 ]
                 others = [r for r in range(world_size) if r != rank]

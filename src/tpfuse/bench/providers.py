@@ -52,10 +52,10 @@ class Providers:
         self.comm = tpfuse.get_communicator(max_tokens=max_tokens, hidden=max_hidden)
         self.fi = None
         if "flashinfer" in requested:
-            from tpfuse.comm.flashinfer import FlashInferWorkspace
+            from tpfuse.comm.flashinfer import FlashInferBackend
 
             try:
-                self.fi = FlashInferWorkspace(dist.group.WORLD, max_tokens, max_hidden)
+                self.fi = FlashInferBackend(dist.group.WORLD, max_tokens, max_hidden)
             except ImportError as exc:
                 if self.rank == 0:
                     print(f"{exc}; skipping it")
@@ -95,7 +95,7 @@ class Providers:
 
         def launcher(launch, **kwargs):
             def call():
-                launch(comm.launch, x, residual, weight, EPS, y, h, **kwargs)
+                launch(comm.fused.launch, x, residual, weight, EPS, y, h, **kwargs)
                 return y
 
             return call

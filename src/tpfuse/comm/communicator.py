@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from tpfuse import select
 from tpfuse.comm import agreement
-from tpfuse.comm import workspace as ws
-from tpfuse.kernels import kernels_usable, layout
+from tpfuse.comm.backend import FusedBackend
+from tpfuse.kernels import kernels_usable
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +26,6 @@ DEFAULT_WAIT_TIMEOUT_S = 10.0
 #: Where fused calls run: our Triton kernels, FlashInfer's kernels (optional), or always the group's
 #: own all-reduce. ``$TPFUSE_BACKEND`` picks the default.
 BACKENDS = ("triton", "flashinfer", "reference")
-# Programs per kernel launch on the CPU interpreter: few, so tests cover programs with several rows.
-CPU_MAX_PROGRAMS = 4
 
 _registry: dict[str, Communicator] = {}
 _registry_lock = threading.RLock()
@@ -74,6 +72,9 @@ class Communicator:
     device : torch.device
     backend : str
         One of :data:`BACKENDS`.
+    fused : FusedBackend or None
+        Where fused calls run (:mod:`tpfuse.comm.backend`); None: every call takes the reference path
+        (the ``reference`` backend, one rank, or no GPU and no Triton interpreter).
     """
 
     def __init__(self, group: dist.ProcessGroup, max_tokens: int, hidden: int, backend: str,
@@ -84,9 +85,7 @@ class Communicator:
         self.world_size = dist.get_world_size(group)
         self.device = group_device(group)
         self.backend = backend
-        self.workspace: layout.Workspace | None = None
-        self.launch: layout.LaunchContext | None = None  # what the Triton kernels' launches take
-        self.flashinfer = None
+        self.fused: FusedBackend | None = None
         self.wait_timeout_s = float(wait_timeout_s or default_wait_timeout_s())
         self._destroyed = False
         self._busy = threading.Lock()  # held while a fused call runs: one thread at a time (see run_fused)
@@ -134,26 +133,13 @@ class Communicator:
             if self.device.type != "cuda":
                 raise ValueError(f"tpfuse: the flashinfer backend needs CUDA; group {self.group_name!r} "
                                  f"runs on {self.device}")
-            from tpfuse.comm.flashinfer import FlashInferWorkspace
+            from tpfuse.comm.flashinfer import FlashInferBackend
 
-            self.flashinfer = FlashInferWorkspace(self.group, max_tokens, hidden)
-            return
-        if not kernels_usable(self.device):
-            return  # no Triton kernel can run here (no GPU, no interpreter): the reference path
-        region_elems = max_tokens * hidden
-        if self.device.type == "cuda":
-            self.workspace = ws.allocate_cuda(self.group, region_elems, self.device)
-            programs = torch.cuda.get_device_properties(self.device).multi_processor_count
-        else:
-            self.workspace = ws.allocate_shared_files(self.group, region_elems)
-            programs = CPU_MAX_PROGRAMS
-        # Kernel grids must match across ranks: agree on the smallest count once, here.
-        agreed = torch.tensor([programs], dtype=torch.int64, device=self.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
-        self.launch = layout.LaunchContext(self.workspace, self.rank, self.world_size, int(agreed.item()),
-                                           self._wait_limit_ns())
-        log.info("tpfuse: group %s rank %d: workspace of %d bytes per rank region",
-                 self.group_name, self.rank, self.workspace.region_bytes)
+            self.fused = FlashInferBackend(self.group, max_tokens, hidden)
+        elif kernels_usable(self.device):  # else no Triton kernel can run here: the reference path
+            from tpfuse.comm.triton_backend import TritonBackend
+
+            self.fused = TritonBackend(self.group, self.device, max_tokens * hidden, self.wait_timeout_s)
 
     @property
     def wait_timeout_s(self) -> float:
@@ -163,11 +149,8 @@ class Communicator:
     @wait_timeout_s.setter
     def wait_timeout_s(self, seconds: float) -> None:
         self._wait_timeout_s = float(seconds)
-        if self.launch is not None:
-            self.launch.wait_limit_ns = self._wait_limit_ns()
-
-    def _wait_limit_ns(self) -> int:
-        return int(self._wait_timeout_s * 1e9)
+        if self.fused is not None:
+            self.fused.set_wait_timeout(self._wait_timeout_s)
 
     @property
     def destroyed(self) -> bool:
@@ -176,9 +159,7 @@ class Communicator:
     @property
     def workspace_bytes(self) -> int:
         """Bytes one rank may send per call (0 without a workspace): the input of ``max_token_num``."""
-        if self.flashinfer is not None:
-            return self.flashinfer.region_bytes
-        return self.workspace.region_bytes if self.workspace is not None else 0
+        return self.fused.region_bytes if self.fused is not None else 0
 
     def max_token_num(self, hidden: int, dtype: torch.dtype) -> int:
         """Largest token count a fused call of this group can take (:func:`tpfuse.select.max_token_num`)."""
@@ -192,8 +173,8 @@ class Communicator:
     def choose_algorithm(self, n_tokens: int, hidden: int, dtype: torch.dtype,
                          quantized: bool = False) -> str:
         """The algorithm a call of this group runs (see :func:`tpfuse.select.choose_algorithm`)."""
-        if self.flashinfer is not None and (quantized or n_tokens == 0):
-            return select.REFERENCE  # not wired to FlashInfer's fp8 pattern; FlashInfer takes no empty call
+        if self.fused is not None and not self.fused.takes(n_tokens, quantized):
+            return select.REFERENCE
         return select.choose_algorithm(n_tokens, hidden, dtype, self.world_size, self.workspace_bytes,
                                        self.device)
 
@@ -216,15 +197,8 @@ class Communicator:
             self._busy.release()
 
     def _run_fused(self, algorithm, x, residual, weight, eps, y, h, quant_scale) -> str:
-        if self.flashinfer is not None:
-            self.flashinfer.run(algorithm, x, residual, weight, eps, y, h)
-            return f"flashinfer.{algorithm}"
-        if algorithm == select.ONESHOT:
-            from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm as launch
-        else:
-            from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm as launch
-        launch(self.launch, x, residual, weight, eps, y, h, quant_scale)
-        return f"triton.{algorithm}"
+        self.fused.run(algorithm, x, residual, weight, eps, y, h, quant_scale)
+        return f"{self.fused.name}.{algorithm}"
 
     def check_usable(self) -> None:
         """Raise if this communicator was destroyed or a kernel of it timed out."""
@@ -246,35 +220,17 @@ class Communicator:
         (every later call raises) until it is destroyed and created again, on every rank.
         """
         self.check_usable()
-        if self.workspace is None:
-            return
-        state = self.workspace.state.tolist()
-        failed_call = state[layout.STATE_ERROR]
-        if not failed_call:
-            return
-        own = state[layout.STATE_ERROR_OWN:layout.STATE_ERROR_OWN + layout.DESC_WORDS]
-        where = f"tpfuse: group {self.group_name!r} rank {self.rank}: fused call #{failed_call}"
-        peer = state[layout.STATE_ERROR_PEER] - 1
-        if peer >= 0:
-            seen = state[layout.STATE_ERROR_SEEN:layout.STATE_ERROR_SEEN + layout.DESC_WORDS]
-            self._error = (
-                f"{where} ({layout.explain_descriptor(own, seen)}) does not match rank {peer}'s call "
-                f"({layout.explain_descriptor(seen, own)}): every rank must make the same calls in the same "
-                "order. "
-                "Its outputs are NaN. Destroy this communicator and create a new one, on every rank.")
-        else:
-            waited = self.wait_timeout_s if waited_s is None else waited_s
-            self._error = (
-                f"{where} ({layout.explain_descriptor(own)}) gave up after waiting {waited:.3g} s for a peer "
-                f"(wait_timeout_s={self.wait_timeout_s:g}): a rank stalled or died, or made no fused call "
-                "(a reference-path call, say). Its outputs are NaN. Destroy this communicator and create a "
-                "new one, on every rank.")
-        raise RuntimeError(self._error)
+        failure = self.fused.failure(self.wait_timeout_s, waited_s) if self.fused is not None else None
+        if failure is not None:
+            self._error = (f"tpfuse: group {self.group_name!r} rank {self.rank}: {failure}. Its outputs are "
+                           "NaN. Destroy this communicator and create a new one, on every rank.")
+            raise RuntimeError(self._error)
 
     def check_call_matches(self, n_tokens: int, hidden: int, dtype: torch.dtype, algorithm: str) -> None:
         """Compare this call with every rank's (a bounded exchange); raise naming any difference.
 
-        For backends whose kernels do not compare calls themselves (FlashInfer), in debug mode.
+        For backends whose kernels do not compare calls themselves (``FusedBackend.compares_calls``),
+        in debug mode.
         """
         agreement.exchange(self.group, {
             "record": agreement.FUSED_CALL, "tokens": n_tokens, "hidden": hidden,
@@ -299,10 +255,9 @@ class Communicator:
         self._allocate(max_tokens, hidden)
 
     def _release(self) -> None:
-        for resource in (self.workspace, self.flashinfer):
-            if resource is not None:
-                resource.release()
-        self.workspace = self.launch = self.flashinfer = None
+        if self.fused is not None:
+            self.fused.release()
+        self.fused = None
 
     def destroy(self) -> None:
         """Free the workspace and leave the registry. Idempotent; not collective, so safe at exit."""

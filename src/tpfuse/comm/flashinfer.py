@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tpfuse.comm.backend import FusedBackend
 from tpfuse.select import ONESHOT
 
 
@@ -27,8 +28,11 @@ def load_flashinfer():
     return fi
 
 
-class FlashInferWorkspace:
-    """One FlashInfer IPC workspace for ``max_tokens`` rows of up to ``hidden`` elements (collective)."""
+class FlashInferBackend(FusedBackend):
+    """FlashInfer's kernels over one IPC workspace for ``max_tokens`` rows of up to ``hidden`` elements
+    (collective to create). Its fp8 output and empty calls are not wired: those take the reference path."""
+
+    name = "flashinfer"
 
     def __init__(self, group: dist.ProcessGroup, max_tokens: int, hidden: int):
         self._fi = load_flashinfer()
@@ -40,7 +44,10 @@ class FlashInferWorkspace:
 
     @property
     def region_bytes(self) -> int:
-        return self.max_tokens * self.hidden * 2
+        return self.max_tokens * self.hidden * 2 if self._ipc_handles is not None else 0
+
+    def takes(self, n_tokens: int, quantized: bool) -> bool:
+        return n_tokens > 0 and not quantized
 
     def run(
         self,
@@ -51,7 +58,9 @@ class FlashInferWorkspace:
         eps: float,
         y: torch.Tensor,
         h: torch.Tensor,
+        quant_scale: torch.Tensor | None = None,
     ) -> None:
+        assert quant_scale is None, "takes() refuses fp8 output"
         n_tokens, hidden = x.shape
         fi = self._fi
         fi.trtllm_allreduce_fusion(

@@ -125,7 +125,7 @@ def _run(x, residual, weight, eps, group_name, quant_scale, y, h) -> None:
         comm.check_usable()
         algorithm = comm.choose_algorithm(n_tokens, hidden, x.dtype, quantized=quant_scale is not None)
         if algorithm != select.REFERENCE:
-            if checking and comm.flashinfer is not None:  # FlashInfer's kernels do not compare calls
+            if checking and not comm.fused.compares_calls:
                 comm.check_call_matches(n_tokens, hidden, x.dtype, algorithm)
             started = time.monotonic()
             _stats.record(comm.run_fused(algorithm, x, residual, weight, eps, y, h, quant_scale))

@@ -1,0 +1,49 @@
+"""What a communicator asks of the place its fused calls run: the one backend interface.
+
+A :class:`tpfuse.comm.Communicator` holds at most one :class:`FusedBackend` (none: every call takes
+the reference path, the group's own all-reduce). The communicator decides which calls fuse and with
+which algorithm (``tpfuse.select``); a backend only runs them, says how many bytes a rank may send,
+and reports a failed call. Implementations: :class:`tpfuse.comm.triton_backend.TritonBackend` (our
+kernels) and :class:`tpfuse.comm.flashinfer.FlashInferBackend` (FlashInfer's, optional).
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+
+class FusedBackend(abc.ABC):
+    """A group's fused all-reduce + residual add + RMSNorm kernels and the buffers they own."""
+
+    #: The name calls are counted under in ``tpfuse.stats()``: ``"<name>.<algorithm>"``.
+    name: str
+    #: Whether the kernels check that every rank's call is the same one; otherwise debug mode compares
+    #: calls on the host first.
+    compares_calls: bool = False
+
+    @property
+    @abc.abstractmethod
+    def region_bytes(self) -> int:
+        """Bytes one rank may send in a call: the input of ``select.max_token_num``."""
+
+    def takes(self, n_tokens: int, quantized: bool) -> bool:
+        """Whether this backend runs such a call at all (else it takes the reference path)."""
+        return True
+
+    @abc.abstractmethod
+    def run(self, algorithm: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+            eps: float, y: torch.Tensor, h: torch.Tensor, quant_scale: torch.Tensor | None) -> None:
+        """Run one call with ``algorithm`` (``select.ONESHOT`` or ``select.TWOSHOT``); writes y and h."""
+
+    def set_wait_timeout(self, seconds: float) -> None:
+        """The bound of every wait for a peer, for launches from now on (where the kernels have one)."""
+
+    def failure(self, wait_timeout_s: float, waited_s: float | None) -> str | None:
+        """What went wrong in a failed call, read from the device (it synchronises), or None."""
+        return None
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Free the buffers (not collective). Idempotent."""

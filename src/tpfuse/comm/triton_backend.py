@@ -1,0 +1,88 @@
+"""The Triton backend: tpfuse's one-shot and two-shot kernels over a peer-mapped workspace."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from tpfuse import select
+from tpfuse.comm import workspace as ws
+from tpfuse.comm.backend import FusedBackend
+from tpfuse.kernels import layout
+
+log = logging.getLogger(__name__)
+
+# Programs per kernel launch on the CPU interpreter: few, so tests cover programs with several rows.
+CPU_MAX_PROGRAMS = 4
+
+
+class TritonBackend(FusedBackend):
+    """Our kernels: a workspace of ``region_elems`` 16-bit words a rank a slot (collective to create).
+
+    Attributes
+    ----------
+    workspace : tpfuse.kernels.layout.Workspace
+        The buffers the kernels push into (tests and benchmarks read them).
+    launch : tpfuse.kernels.layout.LaunchContext
+        What every launch takes besides the call's tensors.
+    """
+
+    name = "triton"
+    compares_calls = True  # every call exchanges descriptors (docs/reliability.md)
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, region_elems: int,
+                 wait_timeout_s: float):
+        if device.type == "cuda":
+            self.workspace = ws.allocate_cuda(group, region_elems, device)
+            programs = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            self.workspace = ws.allocate_shared_files(group, region_elems)
+            programs = CPU_MAX_PROGRAMS
+        # Kernel grids must match across ranks: agree on the smallest count once, here.
+        agreed = torch.tensor([programs], dtype=torch.int64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+        self.launch = layout.LaunchContext(self.workspace, dist.get_rank(group), dist.get_world_size(group),
+                                           int(agreed.item()), 0)
+        self.set_wait_timeout(wait_timeout_s)
+        log.info("tpfuse: group %s rank %d: workspace of %d bytes per rank region",
+                 group.group_name, self.launch.rank, self.workspace.region_bytes)
+
+    @property
+    def region_bytes(self) -> int:
+        return self.workspace.region_bytes if self.workspace is not None else 0
+
+    def run(self, algorithm, x, residual, weight, eps, y, h, quant_scale) -> None:
+        if algorithm == select.ONESHOT:
+            from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm as launch
+        else:
+            from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm as launch
+        launch(self.launch, x, residual, weight, eps, y, h, quant_scale)
+
+    def set_wait_timeout(self, seconds: float) -> None:
+        self.launch.wait_limit_ns = int(seconds * 1e9)
+
+    def failure(self, wait_timeout_s: float, waited_s: float | None) -> str | None:
+        if self.workspace is None:
+            return None
+        state = self.workspace.state.tolist()
+        failed_call = state[layout.STATE_ERROR]
+        if not failed_call:
+            return None
+        own = state[layout.STATE_ERROR_OWN:layout.STATE_ERROR_OWN + layout.DESC_WORDS]
+        peer = state[layout.STATE_ERROR_PEER] - 1
+        if peer >= 0:
+            seen = state[layout.STATE_ERROR_SEEN:layout.STATE_ERROR_SEEN + layout.DESC_WORDS]
+            return (f"fused call #{failed_call} ({layout.explain_descriptor(own, seen)}) does not match rank "
+                    f"{peer}'s call ({layout.explain_descriptor(seen, own)}): every rank must make the same "
+                    "calls in the same order")
+        waited = wait_timeout_s if waited_s is None else waited_s
+        return (f"fused call #{failed_call} ({layout.explain_descriptor(own)}) gave up after waiting "
+                f"{waited:.3g} s for a peer (wait_timeout_s={wait_timeout_s:g}): a rank stalled or died, or "
+                "made no fused call (a reference-path call, say)")
+
+    def release(self) -> None:
+        if self.workspace is not None:
+            self.workspace.release()
+        self.workspace = None
