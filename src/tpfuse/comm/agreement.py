@@ -49,7 +49,8 @@ def exchange(group: dist.ProcessGroup, fields: dict[str, int], timeout_s: float 
         else torch.device("cpu")
     mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    _bounded(dist.all_gather(gathered, mine, group=group, async_op=True), group, timeout_s, what)
+    _bounded(lambda async_op: dist.all_gather(gathered, mine, group=group, async_op=async_op), group,
+             timeout_s, what)
     records = [dict(zip(fields, t.tolist())) for t in gathered]
     for name in fields:
         values = [r[name] for r in records]
@@ -63,17 +64,18 @@ def exchange(group: dist.ProcessGroup, fields: dict[str, int], timeout_s: float 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, timeout_s: float | None, what: str) -> None:
     """``dist.all_reduce`` (sum, in place) with the wait bounded as in :func:`exchange`."""
-    _bounded(dist.all_reduce(tensor, group=group, async_op=True), group, timeout_s, what)
+    _bounded(lambda async_op: dist.all_reduce(tensor, group=group, async_op=async_op), group, timeout_s, what)
 
 
-def _bounded(work, group: dist.ProcessGroup, timeout_s: float | None, what: str) -> None:
-    """Wait for a collective, at most ``timeout_s`` on the CPU. A GPU wait with a bound would stall the
-    host on every call, so there (and with None) the process group's own timeout applies."""
+def _bounded(collective, group: dist.ProcessGroup, timeout_s: float | None, what: str) -> None:
+    """Run ``collective(async_op)`` and wait for it at most ``timeout_s`` on the CPU. A GPU wait with a
+    bound would stall the host on every call, so there (and with None) it runs as a plain collective,
+    bounded by the process group's own timeout (and capturable in a CUDA graph)."""
     if timeout_s is None or "nccl" in str(dist.get_backend(group)):
-        work.wait()
+        collective(False)
         return
     try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        collective(True).wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise Disagreement(
             f"tpfuse: group {group.group_name!r} rank {dist.get_rank(group)}: no answer from a peer within "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import logging
 import math
 import numbers
 import os
@@ -16,8 +15,6 @@ from tpfuse import select
 from tpfuse.comm import agreement
 from tpfuse.comm.backend import FusedBackend
 from tpfuse.kernels import kernels_usable
-
-log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_HIDDEN = 8192
@@ -57,7 +54,7 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
 
 
 class Communicator:
-    """The fused op's per-group state: the peer-mapped workspace and the kernels' counters.
+    """The fused op's per-group state: which calls fuse, the backend that runs them, its error state.
 
     Obtain it with :func:`get_communicator`; never construct it directly. It is created once per
     process group, lives in a process-wide registry, and is destroyed by :meth:`destroy` or at
