@@ -122,7 +122,7 @@ def _variants(rank, world_size, backend, case, names):
     out = []
     for name in names:
         y, h = torch.full_like(inp["xs"][rank], float("nan")), torch.full_like(inp["xs"][rank], float("nan"))
-        launch = dataclasses.replace(comm.launch, max_programs=SPARE_PROGRAMS)
+        launch = dataclasses.replace(comm.fused.launch, max_programs=SPARE_PROGRAMS)
         oneshot_allreduce_add_rmsnorm(launch, inp["xs"][rank], inp["residual"], inp["weight"], case.eps, y, h,
                                       variant=OneShotVariant(**ONESHOT_VARIANTS[name]))
         out.append((y.cpu(), h.cpu()))

@@ -106,8 +106,8 @@ def _grouped(rank, world_size, backend, cases, group_rows):
     for case in cases:
         inp = case.inputs(world_size, device)
         y, h = (torch.full_like(inp["xs"][rank], float("nan")) for _ in range(2))
-        twoshot_allreduce_add_rmsnorm(comm.launch, inp["xs"][rank], inp["residual"], inp["weight"], case.eps,
-                                      y, h, group_rows=group_rows)
+        twoshot_allreduce_add_rmsnorm(comm.fused.launch, inp["xs"][rank], inp["residual"], inp["weight"],
+                                      case.eps, y, h, group_rows=group_rows)
         out.append((y.cpu(), h.cpu()))
     return out
 
