@@ -68,7 +68,7 @@ def _replay(rank, world_size, replays, phases):
         torch.cuda.synchronize()
         checks.append([(y.cpu(), h.cpu()) for _, _, _, y, h in calls])
     tpfuse.check_errors()
-    return checks, algorithms, tpfuse.stats()
+    return {"outputs by phase": checks, "algorithms": algorithms, "stats": tpfuse.stats()}
 
 
 @pytest.mark.skipif("nccl" not in BACKENDS, reason="needs 2 GPUs")
@@ -76,8 +76,9 @@ def test_graph_replays_stay_correct(rank_pool):
     results = rank_pool(2, "nccl").run(_replay, REPLAYS, PHASES, timeout=3000)
     for phase in range(PHASES):
         for i, case in enumerate(GRAPH_CASES):
-            check_results(case, 2, [res[0][phase][i] for res in results], _phase_inputs(case, phase, 2))
-    algorithms = results[0][1]
+            check_results(case, 2, [res["outputs by phase"][phase][i] for res in results],
+                          _phase_inputs(case, phase, 2))
+    algorithms = results[0]["algorithms"]
     assert "twoshot" in algorithms and "oneshot" in algorithms, algorithms
     expected = {f"triton.{a}": 2 * algorithms.count(a) for a in set(algorithms)}  # eager warm-up + capture
-    assert all(res[2] == expected for res in results)
+    assert all(res["stats"] == expected for res in results)

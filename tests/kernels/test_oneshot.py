@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import tpfuse
-from tpfuse.kernels.layout import NUM_SLOTS, SENTINEL, STATE_CALL
-from tpfuse.testing import rank_backends, rank_device
+from tpfuse.testing import previous_slot_is_clear, rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
 
 BACKENDS = rank_backends()
@@ -27,15 +26,9 @@ def _sequence(rank, world_size, backend, cases, check_clear):
         inp = case.inputs(world_size, device)
         y, h = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
         out.append((y.cpu(), h.cpu()))
-        if check_clear:  # the slot of the previous call is all sentinel again, peers' regions included
-            call = int(comm.fused.workspace.state[STATE_CALL])
-            workspace = comm.fused.workspace
-            prev = (call - 2) % NUM_SLOTS
-            others = [r for r in range(world_size) if r != rank]
-            regions, descriptors = workspace.regions()[prev, others], workspace.descriptors()[prev, others]
-            cleared.append(bool((regions == SENTINEL).all() and (descriptors == SENTINEL).all())
-                           if call >= 2 else True)
-    return out, cleared, tpfuse.stats()
+        if check_clear:
+            cleared.append(previous_slot_is_clear(comm))
+    return {"outputs": out, "cleared": cleared, "stats": tpfuse.stats()}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -46,10 +39,10 @@ def test_changing_shapes_rotate_and_clear_slots(rank_pool, backend, world_size):
              for i, (t, h) in enumerate(SEQUENCE * 2)]
     results = rank_pool(world_size, backend).run(_sequence, backend, cases, backend == "gloo")
     for i, case in enumerate(cases):
-        check_results(case, world_size, [res[0][i] for res in results])
-    for _, cleared, stats in results:
-        assert all(cleared), cleared
-        assert stats == {"triton.oneshot": len(cases)}
+        check_results(case, world_size, [res["outputs"][i] for res in results])
+    for res in results:
+        assert all(res["cleared"]), res["cleared"]
+        assert res["stats"] == {"triton.oneshot": len(cases)}
 
 
 def _special_values(rank, world_size, backend, case):
@@ -62,7 +55,7 @@ def _special_values(rank, world_size, backend, case):
         x[:, 1::7] = torch.finfo(x.dtype).tiny / (2 + r)
         x[0, :] = -0.0  # a whole row of -0.0 from every rank
     y, h = tpfuse.allreduce_add_rmsnorm(xs[rank], inp["residual"], inp["weight"], case.eps)
-    return (y.cpu(), h.cpu()), [x.cpu() for x in xs]
+    return {"outputs": (y.cpu(), h.cpu()), "xs": [x.cpu() for x in xs]}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -71,9 +64,9 @@ def test_negative_zero_and_subnormal_inputs(rank_pool, backend, dtype):
     case = Case(4, 512, dtype, residual=False, seed=3)
     results = rank_pool(2, backend).run(_special_values, backend, case)
     inputs = case.inputs(2)
-    inputs["xs"] = results[0][1]
-    check_results(case, 2, [res[0] for res in results], inputs)
-    h = results[0][0][1]
+    inputs["xs"] = results[0]["xs"]
+    check_results(case, 2, [res["outputs"] for res in results], inputs)
+    h = results[0]["outputs"][1]
     assert torch.equal(h[0], torch.zeros_like(h[0]))  # all -0.0 sums to zero, not a hang or NaN
 
 
@@ -90,20 +83,19 @@ def _over_capacity(rank, world_size, backend):
         case = Case(tokens, 4096, seed=tokens)
         inp = case.inputs(world_size, device)
         y, h = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
-        out.append((case, (y.cpu(), h.cpu())))
-    return limit, out, tpfuse.stats(), fused
+        out.append((y.cpu(), h.cpu()))
+    return {"limit": limit, "outputs": out, "stats": tpfuse.stats(), "fused": fused}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_call_over_the_workspace_takes_the_reference_path(rank_pool, backend):
     results = rank_pool(2, backend).run(_over_capacity, backend)
-    limit = results[0][0]
+    limit, fused = results[0]["limit"], results[0]["fused"]
     assert limit >= 24
-    for i in range(2):
-        case = results[0][1][i][0]
-        check_results(case, 2, [res[1][i][1] for res in results])
-    assert results[0][3] in ("oneshot", "twoshot"), results[0][3]
-    assert all(res[2] == {f"triton.{results[0][3]}": 1, "reference": 1} for res in results)
+    for i, tokens in enumerate((limit, limit + 1)):
+        check_results(Case(tokens, 4096, seed=tokens), 2, [res["outputs"][i] for res in results])
+    assert fused in ("oneshot", "twoshot"), fused
+    assert all(res["stats"] == {f"triton.{fused}": 1, "reference": 1} for res in results)
 
 
 # Programs enough for every chunk of a few rows to get a pusher, as on a GPU (the interpreter runs
@@ -112,20 +104,20 @@ SPARE_PROGRAMS = 16
 
 
 def _variants(rank, world_size, backend, case, names):
-    """(y, h) of one call of the one-shot kernel for each of the benchmark's variants ``names``."""
+    """name -> (y, h) of one call of the one-shot kernel, for each of the benchmark's variants ``names``."""
     from tpfuse.bench.providers import ONESHOT_VARIANTS
     from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
 
     device = rank_device(backend, rank)
     comm = tpfuse.get_communicator(max_tokens=case.tokens, hidden=case.hidden)
     inp = case.inputs(world_size, device)
-    out = []
+    out = {}
     for name in names:
         y, h = torch.full_like(inp["xs"][rank], float("nan")), torch.full_like(inp["xs"][rank], float("nan"))
         launch = dataclasses.replace(comm.fused.launch, max_programs=SPARE_PROGRAMS)
         oneshot_allreduce_add_rmsnorm(launch, inp["xs"][rank], inp["residual"], inp["weight"], case.eps, y, h,
                                       variant=OneShotVariant(**ONESHOT_VARIANTS[name]))
-        out.append((y.cpu(), h.cpu()))
+        out[name] = (y.cpu(), h.cpu())
     return out
 
 
@@ -138,8 +130,8 @@ def test_benchmark_launch_variants_compute_the_same_op(rank_pool, backend, token
 
     case, names = Case(tokens, hidden, seed=11), sorted(ONESHOT_VARIANTS)
     results = rank_pool(2, backend).run(_variants, backend, case, names)
-    for i in range(len(names)):
-        check_results(case, 2, [res[i] for res in results])
+    for name in names:
+        check_results(case, 2, [res[name] for res in results])
 
 
 def test_split_push_only_where_every_chunk_has_a_resident_program():

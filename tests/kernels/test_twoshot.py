@@ -4,8 +4,7 @@ import pytest
 import torch
 
 import tpfuse
-from tpfuse.kernels.layout import NUM_SLOTS, SENTINEL, STATE_CALL
-from tpfuse.testing import forced_table, rank_backends, rank_device
+from tpfuse.testing import forced_table, previous_slot_is_clear, rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
 
 BACKENDS = rank_backends()
@@ -24,14 +23,9 @@ def _sequence(rank, world_size, backend, cases, oneshot_max):
                 inp["xs"][rank], inp["residual"], inp["weight"], case.eps, quant_scale=inp["quant_scale"]
             )
             out.append((y.cpu(), h.cpu()))
-            if device.type == "cpu":  # the previous call's slot is all sentinel again
-                call = int(comm.fused.workspace.state[STATE_CALL])
-                prev = comm.fused.workspace.regions()[
-                    (call - 2) % NUM_SLOTS
-                ]
-                others = [r for r in range(world_size) if r != rank]
-                cleared.append(bool((prev[others] == SENTINEL).all()) if call >= 2 else True)
-    return out, cleared, chosen, tpfuse.stats()
+            if device.type == "cpu":
+                cleared.append(previous_slot_is_clear(comm))
+    return {"outputs": out, "cleared": cleared, "chosen": chosen, "stats": tpfuse.stats()}
 
 
 # Token counts not divisible by the world size, fewer tokens than ranks, more tokens than programs
@@ -58,12 +52,12 @@ def test_twoshot_sequences(rank_pool, backend, world_size, oneshot_max):
     ]
     results = rank_pool(world_size, backend).run(_sequence, backend, cases, oneshot_max)
     for i, case in enumerate(cases):
-        check_results(case, world_size, [res[0][i] for res in results])
+        check_results(case, world_size, [res["outputs"][i] for res in results])
     expected = ["oneshot" if t <= oneshot_max or t < world_size else "twoshot" for t, _ in SEQUENCE]
-    for _, cleared, chosen, stats in results:
-        assert all(cleared), cleared
-        assert chosen == expected
-        assert stats == {f"triton.{a}": expected.count(a) for a in set(expected)}
+    for res in results:
+        assert all(res["cleared"]), res["cleared"]
+        assert res["chosen"] == expected
+        assert res["stats"] == {f"triton.{a}": expected.count(a) for a in set(expected)}
 
 
 def _wide(rank, world_size, cases):
@@ -78,7 +72,7 @@ def _wide(rank, world_size, cases):
             y, h = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
             out.append((y, h))
     tpfuse.destroy_all()
-    return out, chosen
+    return {"outputs": out, "chosen": chosen}
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
@@ -92,9 +86,9 @@ def test_both_kernels_at_four_and_eight_ranks(rank_pool, world_size):
     ]
     results = rank_pool(world_size).run(_wide, cases, timeout=900)
     for i, case in enumerate(cases):
-        check_results(case, world_size, [res[0][i] for res in results])
+        check_results(case, world_size, [res["outputs"][i] for res in results])
     expected = ["oneshot" if c.tokens <= 4 or c.tokens < world_size else "twoshot" for c in cases]
-    assert all(res[1] == expected for res in results)
+    assert all(res["chosen"] == expected for res in results)
 
 
 def _grouped(rank, world_size, backend, cases, group_rows):

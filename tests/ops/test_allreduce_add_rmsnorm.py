@@ -44,7 +44,7 @@ def _run_cases(rank, world_size, backend, cases, path):
         y, h = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps,
                                             group=group, quant_scale=inp["quant_scale"])
         out.append((y.cpu(), h.cpu()))
-    return out, tpfuse.stats()
+    return {"outputs": out, "stats": tpfuse.stats()}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -54,11 +54,11 @@ def test_matches_float64_on_every_rank(rank_pool, backend, world_size, path):
     cases = accuracy_cases()
     results = rank_pool(world_size, backend).run(_run_cases, backend, cases, path)
     for i, case in enumerate(cases):
-        check_results(case, world_size, [res[0][i] for res in results])
+        check_results(case, world_size, [res["outputs"][i] for res in results])
     n_kernel = sum(c.dtype != torch.float32 for c in cases)
     expected = ({"triton.oneshot": n_kernel, "reference": len(cases) - n_kernel} if path == "kernel"
                 else {"reference": len(cases)})
-    assert all(res[1] == expected for res in results), [res[1] for res in results]
+    assert all(res["stats"] == expected for res in results), [res["stats"] for res in results]
 
 
 def _poisoned_no_residual(rank, world_size, backend, case, poison):

@@ -42,7 +42,7 @@ def _both_backends(rank, world_size, cases):
         )
     stats = tpfuse.stats()
     tpfuse.destroy_all()
-    return limits, out, stats
+    return {"limits": limits, "outputs": out, "stats": stats}
 
 
 @pytest.mark.skipif(not _flashinfer_available(), reason="needs 2 GPUs and FlashInfer")
@@ -57,9 +57,9 @@ def test_flashinfer_backend_matches_float64_and_our_limit(rank_pool):
         )
     ]
     results = rank_pool(2, "nccl").run(_both_backends, cases)
-    for limits, _, stats in results:
-        assert all(a == b > 0 for a, b in limits.values()), limits
-        assert any(k.startswith("flashinfer.") for k in stats), stats
+    for res in results:
+        assert all(a == b > 0 for a, b in res["limits"].values()), res["limits"]
+        assert any(k.startswith("flashinfer.") for k in res["stats"]), res["stats"]
     for i, case in enumerate(cases):
-        for backend in range(2):
-            check_results(case, 2, [res[1][i][backend] for res in results])
+        for backend in range(2):  # FlashInfer's communicator, then ours
+            check_results(case, 2, [res["outputs"][i][backend] for res in results])

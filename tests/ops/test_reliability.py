@@ -144,14 +144,14 @@ def _recreated_after_mismatch(rank, world_size):
     inp = case.inputs(world_size)
     result = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
     tpfuse.destroy_all()
-    return first, refused, result
+    return {"first error": first, "next call": refused, "after creating again": result}
 
 
 def test_a_communicator_created_again_after_a_mismatch_is_right(rank_pool):
     results = rank_pool(2).run(_recreated_after_mismatch)
-    for first, refused, _ in results:
-        assert "does not match" in first and refused == first  # unusable until created again
-    check_results(Case(5, 512, seed=4), 2, [r[2] for r in results])
+    for res in results:  # unusable until created again
+        assert "does not match" in res["first error"] and res["next call"] == res["first error"], res
+    check_results(Case(5, 512, seed=4), 2, [res["after creating again"] for res in results])
 
 
 def _both_empty(rank, world_size):
@@ -163,14 +163,14 @@ def _both_empty(rank, world_size):
     inp = case.inputs(world_size)
     after = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
     tpfuse.destroy_all()
-    return tuple(y.shape), tpfuse.stats(), after
+    return {"shape": tuple(y.shape), "stats": tpfuse.stats(), "next call": after}
 
 
 def test_an_empty_batch_on_every_rank_is_a_call_like_any_other(rank_pool):
     results = rank_pool(2).run(_both_empty)
-    for shape, stats, _ in results:
-        assert shape == (0, 512) and stats == {"triton.oneshot": 2}, (shape, stats)
-    check_results(Case(3, 512, seed=5), 2, [r[2] for r in results])
+    for res in results:
+        assert res["shape"] == (0, 512) and res["stats"] == {"triton.oneshot": 2}, res
+    check_results(Case(3, 512, seed=5), 2, [res["next call"] for res in results])
 
 
 SETUP_DIFFERENCES = {"max_tokens": ({"max_tokens": 16}, {"max_tokens": 32}),
@@ -225,18 +225,19 @@ def _edges(rank, world_size, backend, oneshot_max):
         chosen = tpfuse.get_communicator().choose_algorithm(6, 512, torch.bfloat16)
         y, h = tpfuse.allreduce_add_rmsnorm(xs[rank].to(device), residual.to(device), weight.to(device), 1e-6)
     tpfuse.destroy_all()
-    return chosen, y.cpu(), h.cpu(), xs, residual, weight
+    return {"chosen": chosen, "y": y.cpu(), "h": h.cpu(), "xs": xs, "residual": residual, "weight": weight}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("oneshot_max", [16, 0])
 def test_nan_inf_zero_and_huge_values(rank_pool, backend, oneshot_max):
     results = rank_pool(2, backend).run(_edges, backend, oneshot_max)
-    chosen, y, h, xs, residual, weight = results[0]
+    chosen, y, h, xs, residual, weight = (results[0][key]
+                                          for key in ("chosen", "y", "h", "xs", "residual", "weight"))
     assert chosen == ("oneshot" if oneshot_max else "twoshot")
-    for _, y_r, h_r, *_ in results:  # identical on every rank, NaN payloads included
-        assert torch.equal(y_r.view(torch.int16), y.view(torch.int16))
-        assert torch.equal(h_r.view(torch.int16), h.view(torch.int16))
+    for res in results:  # identical on every rank, NaN payloads included
+        assert torch.equal(res["y"].view(torch.int16), y.view(torch.int16))
+        assert torch.equal(res["h"].view(torch.int16), h.view(torch.int16))
     total = xs[0].float() + xs[1].float()
     h_ref = (total + residual.float()).bfloat16()
     torch.testing.assert_close(h, h_ref, equal_nan=True, atol=0, rtol=0.01)

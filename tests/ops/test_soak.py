@@ -63,13 +63,13 @@ def _soak(rank, world_size, seconds):
     tpfuse.check_errors()
     stats = tpfuse.stats()
     tpfuse.destroy_all()
-    return calls, checked, worst, stats
+    return {"calls": calls, "checked": checked, "worst": worst, "stats": stats}
 
 
 @pytest.mark.skipif("nccl" not in BACKENDS, reason="needs 2 GPUs")
 def test_eager_soak_random_shapes(rank_pool):
     results = rank_pool(2, "nccl").run(_soak, SOAK_SECONDS, timeout=SOAK_SECONDS + 600)
-    calls, checked, worst, stats = results[0]
+    calls, checked, worst, stats = (results[0][key] for key in ("calls", "checked", "worst", "stats"))
     print(
         f"soak: {calls} calls in {SOAK_SECONDS:g} s, {checked} checked, "
         f"worst excess error {worst:.2e}, {stats}"

@@ -40,6 +40,22 @@ def fused_calls(counts: dict[str, int] | None = None,
     return sum(n for label, n in counts.items() if label.startswith(tuple(f"{b}." for b in backends)))
 
 
+def previous_slot_is_clear(comm) -> bool:
+    """Whether the slot of the call before the last one is all sentinel again in this rank's buffer:
+    the peers' regions and descriptors (the kernels clear it during the last call). True before two
+    calls were made. Reads the Triton backend's workspace."""
+    from tpfuse.kernels.layout import NUM_SLOTS, SENTINEL, STATE_CALL
+
+    workspace = comm.fused.workspace
+    call = int(workspace.state[STATE_CALL])
+    if call < 2:
+        return True
+    prev = (call - 2) % NUM_SLOTS
+    others = [r for r in range(comm.world_size) if r != comm.rank]
+    return bool((workspace.regions()[prev, others] == SENTINEL).all() and
+                (workspace.descriptors()[prev, others] == SENTINEL).all())
+
+
 def rank_backends() -> list[str]:
     """Process-group backends the multi-rank tests run on: gloo always (CPU ranks, kernels in the
     Triton interpreter), NCCL too where this machine has two or more GPUs."""
