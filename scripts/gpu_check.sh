@@ -138,7 +138,7 @@ fi
 
 echo "== kernel benchmark (tpfuse as the op picks, each algorithm forced, NCCL, FlashInfer) =="
 timeout 300 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --tokens "$TOKENS" \
-  --providers tpfuse,tpfuse:oneshot,tpfuse:twoshot,nccl,flashinfer --out "$OUT" > "$OUT/bench.log" 2>&1 || status=1
+  --providers tpfuse,tpfuse:oneshot,tpfuse:twoshot,nccl,flashinfer,floor,launch --out "$OUT" > "$OUT/bench.log" 2>&1 || status=1
 grep -v "^hidden=" "$OUT/bench.log" | grep -v -i warn | tail -62
 if [ "$MODE" = bench ]; then exit $status; fi
 e2e

@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         "--providers",
         default=None,
         help="kernel: tpfuse, tpfuse:oneshot, tpfuse:twoshot, tpfuse:<variant>, nccl, symm_mem, "
-        "flashinfer (default tpfuse,nccl,symm_mem,flashinfer); e2e: unfused, tpfuse, flashinfer",
+        "flashinfer, floor, launch (default tpfuse,nccl,symm_mem,flashinfer,floor,launch); e2e: unfused, "
+        "tpfuse, flashinfer",
     )
     bench.add_argument("--client", default="tpfuse", choices=["tpfuse", "hf"],
                        help="e2e: our TP Llama, or Hugging Face's LlamaForCausalLM under tp_plan='auto'")
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                              args.mode, args.client, args.profile)
     from tpfuse.bench.kernel import run_kernel_bench
 
-    providers = args.providers or "tpfuse,nccl,symm_mem,flashinfer"
+    providers = args.providers or "tpfuse,nccl,symm_mem,flashinfer,floor,launch"
     return run_kernel_bench(_ints(args.hidden), _ints(args.tokens), providers.split(","), args.out)
 
 

@@ -64,6 +64,23 @@ def _compile_all() -> None:
               f"{narrow} narrow of {4 * (world - 1)} allowed, {ptx.count('st.global')} stores")
 
 
+def _compile_floor() -> None:
+    """The benchmark's bound kernels (tpfuse.bench.floor), which CI never runs compiled either."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tpfuse.bench.floor import _launch_only_kernel, _ping_pong_kernel
+
+    ping_pong = {"peer_ptrs_ptr": "*i64", "state_ptr": "*i32", "wait_limit": "i64", "RANK": "constexpr",
+                 "WORLD": "constexpr", "USE_PDL": "constexpr"}
+    for kernel, signature, constants in ((_ping_pong_kernel, ping_pong, dict(RANK=1, WORLD=2, USE_PDL=True)),
+                                         (_launch_only_kernel, {"USE_PDL": "constexpr"}, dict(USE_PDL=True))):
+        compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 16})
+        print(f"floor kernel {kernel.fn.__name__}: {len(compiled.asm['cubin'])} cubin")
+
+
 def test_kernels_compile_for_sm90():
     import triton
 
@@ -74,6 +91,7 @@ def test_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.count("bytes") == len(SHAPES), done.stdout
+    assert done.stdout.count("floor kernel") == 2, done.stdout
     lines = [line for line in done.stdout.splitlines() if line.endswith("stores")]
     # Rows of 16-bit words move 16 bytes an access: pushes to peers, polls, clears, loads and stores.
     # Accesses of one word each took 8x the transactions (over NVLink too) until the kernels said
@@ -87,3 +105,4 @@ def test_kernels_compile_for_sm90():
 
 if __name__ == "__main__":
     _compile_all()
+    _compile_floor()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse.bench.output import pyplot, write_csv
-from tpfuse.bench.providers import EPS, Providers, peer_copy_gbps
+from tpfuse.bench.providers import EPS, FLOOR_PROVIDERS, Providers, peer_copy_gbps
 from tpfuse.bench.timing import graph_replay_us
 
 BASELINES = ("nccl+norm", "symm_oneshot+norm", "fi_oneshot", "fi_twoshot")
@@ -49,6 +49,9 @@ def bench_rank(hiddens: list[int], tokens: list[int], providers: list[str]) -> t
             if "tpfuse" in providers:
                 row["algorithm"] = resources.comm.choose_algorithm(n, hidden, x.dtype)
             for name, call in resources.calls(x, residual, weight).items():
+                if name in FLOOR_PROVIDERS:  # a bound, not the op: nothing to check
+                    row[name] = graph_replay_us(call)
+                    continue
                 y = call()
                 y.fill_(float("nan"))  # poison, then check what one call writes
                 y = call()
@@ -58,6 +61,8 @@ def bench_rank(hiddens: list[int], tokens: list[int], providers: list[str]) -> t
                 row[f"{name}_GBps"] = row["bytes_per_rank"] / row[name] / 1e3
             if "fi_oneshot" in row and "tpfuse" in row:
                 row["fi_oneshot/tpfuse"] = row["fi_oneshot"] / row["tpfuse"]
+            if "floor" in row and "tpfuse" in row:
+                row["tpfuse/floor"] = row["tpfuse"] / row["floor"]
             best_baseline = min((row[k] for k in BASELINES if k in row), default=None)
             if best_baseline is not None and "tpfuse" in row:
                 row["best_baseline/tpfuse"] = best_baseline / row["tpfuse"]
@@ -71,7 +76,7 @@ def bench_rank(hiddens: list[int], tokens: list[int], providers: list[str]) -> t
 
 
 def _timed_keys(keys: list[str]) -> list[str]:
-    return [k for k in keys if (k == "tpfuse" or k.startswith("tpfuse:") or k in BASELINES)
+    return [k for k in keys if (k == "tpfuse" or k.startswith("tpfuse:") or k in BASELINES + FLOOR_PROVIDERS)
             and not k.endswith(("_err", "_GBps"))]
 
 
@@ -81,7 +86,7 @@ def write_outputs(rows: list[dict], ceiling: float, out_dir: str) -> None:
     errs = {k: max(row[k] for row in rows if k in row) for k in keys if k.endswith("_err")}
     print("largest relative error against float64: "
           + ", ".join(f"{k[:-4]} {v:.1e}" for k, v in errs.items()))
-    ratios = [k for k in ("fi_oneshot/tpfuse", "best_baseline/tpfuse") if k in keys]
+    ratios = [k for k in ("fi_oneshot/tpfuse", "best_baseline/tpfuse", "tpfuse/floor") if k in keys]
     width = max(len(k) for k in timed + ratios) + 1
     print(f"peer copy bandwidth: {ceiling:.1f} GB/s")
     print(f"\n{'hidden':>6} {'tokens':>6} {'algo':>8} " + " ".join(f"{k:>{width}}" for k in timed + ratios)
@@ -99,9 +104,10 @@ def write_outputs(rows: list[dict], ceiling: float, out_dir: str) -> None:
     for col, hidden in enumerate(hiddens):
         sel = [row for row in rows if row["hidden"] == hidden]
         for k in timed:
-            pts = [(row["tokens"], row[k], row[f"{k}_GBps"]) for row in sel if k in row]
+            pts = [(row["tokens"], row[k], row.get(f"{k}_GBps")) for row in sel if k in row]
             axes[0][col].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k)
-            axes[1][col].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=k)
+            if k not in FLOOR_PROVIDERS:  # a bound moves no rows: no bandwidth
+                axes[1][col].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=k)
         axes[1][col].axhline(ceiling, color="black", linestyle="--", label="peer copy")
         labels = ((axes[0][col], "us per call (CUDA graph)"), (axes[1][col], "GB/s (one rank's x / time)"))
         for ax, ylabel in labels:

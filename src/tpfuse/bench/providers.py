@@ -8,7 +8,9 @@ Every provider computes y = RMSNorm(allreduce(x) + residual) * weight and h from
   (:data:`TWOSHOT_GROUPS`), docs/kernel-notes.md;
 - ``nccl+norm``: the group's all-reduce plus a compiled add + RMSNorm (the unfused model);
 - ``symm_oneshot+norm``: torch symmetric memory's one-shot all-reduce plus the same norm;
-- ``fi_oneshot`` / ``fi_twoshot``: FlashInfer's fused kernel, when importable.
+- ``fi_oneshot`` / ``fi_twoshot``: FlashInfer's fused kernel, when importable;
+- ``floor`` / ``launch``: no op, the bounds of a one-token call (one exchange with every peer; an
+  empty kernel), ``tpfuse.bench.floor``; they return None.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 EPS = 1e-6
+#: Providers that time a bound, not the op: ``bench kernel`` does not check their output.
+FLOOR_PROVIDERS = ("floor", "launch")
 
 # One-shot launch variants that can be timed beside the default as providers "tpfuse:<name>".
 ONESHOT_VARIANTS = {
@@ -51,6 +55,11 @@ class Providers:
         self.group_name = dist.group.WORLD.group_name
         self.comm = tpfuse.get_communicator(max_tokens=max_tokens, hidden=max_hidden)
         self.fi = None
+        self.floor = None
+        if "floor" in requested or "launch" in requested:
+            from tpfuse.bench.floor import FloorKernels
+
+            self.floor = FloorKernels(dist.group.WORLD, torch.device("cuda", torch.cuda.current_device()))
         if "flashinfer" in requested:
             from tpfuse.comm.flashinfer import FlashInferBackend
 
@@ -71,8 +80,9 @@ class Providers:
         self._norm = torch.compile(add_rmsnorm_reference, dynamic=True)
 
     def release(self) -> None:
-        if self.fi is not None:
-            self.fi.release()
+        for resource in (self.fi, self.floor):
+            if resource is not None:
+                resource.release()
 
     def calls(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
@@ -130,6 +140,8 @@ class Providers:
                     return norm(torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group_name))
 
                 out["symm_oneshot+norm"] = symm_oneshot
+            elif name in FLOOR_PROVIDERS:
+                out[name] = lambda kernel=getattr(self.floor, name): kernel(hidden)
             elif name == "flashinfer" and self.fi is not None:
                 fi_y, fi_h = torch.empty_like(x), torch.empty_like(x)
                 for label, algorithm in (("fi_oneshot", "oneshot"), ("fi_twoshot", "twoshot")):
