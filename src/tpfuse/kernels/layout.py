@@ -39,11 +39,6 @@ def buffer_elems(region_elems: int, world_size: int) -> int:
     return NUM_SLOTS * world_size * (region_elems + DESC_WORDS)
 
 
-def descriptor_offset(region_elems: int, world_size: int, slot: int, sender: int) -> int:
-    """Where, in a rank's buffer, ``sender``'s descriptor for ``slot`` lies."""
-    return NUM_SLOTS * world_size * region_elems + (slot * world_size + sender) * DESC_WORDS
-
-
 def describe_call(n_tokens: int, hidden: int, flags: int, call: int, region_elems: int) -> list[int]:
     """The descriptor words of a call, as the kernels write them (``protocol._describe_call``).
 

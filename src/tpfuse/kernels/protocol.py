@@ -125,7 +125,7 @@ def _slot_base(slot, region_elems, WORLD: tl.constexpr):
 
 @triton.jit
 def _desc_base(slot, region_elems, WORLD: tl.constexpr):
-    """Where a slot's descriptors start in a rank's buffer: after all slots (layout.descriptor_offset)."""
+    """Where a slot's descriptors start in a rank's buffer: after all slots (``Workspace.descriptors``)."""
     return tl.full([], _NUM_SLOTS * WORLD, tl.int64) * region_elems + slot.to(tl.int64) * WORLD * _DESC_WORDS
 
 

@@ -1,0 +1,39 @@
+"""Call descriptors: what the kernels send (checked on ranks) and how an error message reads them."""
+
+import torch
+
+import tpfuse
+from tpfuse.kernels import layout
+from tpfuse.testing.cases import Case
+
+
+def test_descriptor_words_never_hold_the_sentinel_and_read_back():
+    words = layout.describe_call((1 << 30) - 1, 16384, 31, 40000, (1 << 31) - 8)
+    assert len(words) == layout.DESC_WORDS and all(0 <= w <= 0x7FFF for w in words), words
+    flags = layout.FLAG_BF16 | layout.FLAG_RESIDUAL
+    five = layout.describe_call(5, 512, flags, 0, 8192)
+    three = layout.describe_call(3, 512, flags | layout.FLAG_TWOSHOT | layout.FLAG_QUANT, 1, 4096)
+    assert layout.explain_descriptor(five) == "5 x 512 bfloat16 oneshot, residual"
+    # Call number and workspace appear only where two descriptors differ in them.
+    assert layout.explain_descriptor(three, five) == (
+        "3 x 512 bfloat16 twoshot, residual, fp8 output, its call #2 (mod 32768), "
+        "a workspace region of 4096 words")
+
+
+def _sent_descriptors(rank, world_size):
+    tpfuse.destroy_all()
+    comm = tpfuse.get_communicator(max_tokens=16, hidden=512)
+    case = Case(5, 512, torch.float16, seed=6)
+    inp = case.inputs(world_size)
+    tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
+    workspace = comm.fused.workspace
+    received = workspace.descriptors()[0, 1 - rank].tolist()  # call 0's slot, from the peer
+    flags = layout.FLAG_FP16 | layout.FLAG_RESIDUAL
+    expected = layout.describe_call(5, 512, flags, 0, workspace.region_elems)
+    tpfuse.destroy_all()
+    return {"received": received, "expected": expected}
+
+
+def test_the_kernel_sends_the_descriptor_layout_describes(rank_pool):
+    for report in rank_pool(2).run(_sent_descriptors):
+        assert report["received"] == report["expected"], report
