@@ -42,8 +42,9 @@ def _ping_pong_kernel(peer_ptrs_ptr, state_ptr, wait_limit, RANK: tl.constexpr, 
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    counter = ((tl.load(state_ptr) + 1) & 0x7FFF).to(tl.int16)
-    ahead = ((tl.load(state_ptr) + 2) & 0x7FFF).to(tl.int16)
+    calls = tl.load(state_ptr)
+    counter = ((calls + 1) & 0x7FFF).to(tl.int16)
+    ahead = ((calls + 2) & 0x7FFF).to(tl.int16)
     for r in tl.static_range(WORLD):
         if r != RANK:
             tl.store(_peer_base(peer_ptrs_ptr, r) + RANK * _STRIDE, counter)
@@ -56,7 +57,7 @@ def _ping_pong_kernel(peer_ptrs_ptr, state_ptr, wait_limit, RANK: tl.constexpr, 
             while (seen != counter) & (seen != ahead) & (_now() < deadline):
                 seen = tl.load(own + r * _STRIDE, volatile=True)
             missing |= ((seen != counter) & (seen != ahead)).to(tl.int32)
-    tl.store(state_ptr, tl.load(state_ptr) + 1)
+    tl.store(state_ptr, calls + 1)
     tl.store(state_ptr + 1, tl.load(state_ptr + 1) + missing)
 
 
@@ -67,8 +68,7 @@ class FloorKernels:
         from tpfuse.comm import workspace as ws
 
         # A workspace of its own: the exchange never touches the communicator's slots.
-        self.workspace = (ws.allocate_cuda(group, 8, device) if device.type == "cuda"
-                          else ws.allocate_shared_files(group, 8))
+        self.workspace = ws.allocate(group, 8, device)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.state = torch.zeros(2, dtype=torch.int32, device=device)
         self.device = device

@@ -38,15 +38,14 @@ class Disagreement(RuntimeError):
     """The ranks of a group are not doing the same thing (or a peer never came): raised on every rank."""
 
 
-def exchange(group: dist.ProcessGroup, fields: dict[str, int], timeout_s: float | None,
+def exchange(group: dist.ProcessGroup, device: torch.device, fields: dict[str, int], timeout_s: float | None,
              what: str) -> list[dict]:
-    """All-gather every rank's ``fields`` (ints); raise :class:`Disagreement` naming the first field
-    whose values differ. ``timeout_s`` bounds the wait where the group's backend can (gloo; None: the
-    process group's own timeout), and the error then says which exchange a peer never joined.
+    """All-gather every rank's ``fields`` (ints, on the group's ``device``); raise :class:`Disagreement`
+    naming the first field whose values differ. ``timeout_s`` bounds the wait where the group's backend
+    can (gloo; None: the process group's own timeout), and the error then says which exchange a peer
+    never joined.
     Returns every rank's fields, in rank order."""
     world = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) \
-        else torch.device("cpu")
     mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     _bounded(lambda async_op: dist.all_gather(gathered, mine, group=group, async_op=async_op), group,
@@ -89,11 +88,11 @@ def reset_numbers(group_name: str) -> None:
     _reference_calls.pop(group_name, None)
 
 
-def check_reference_call(group: dist.ProcessGroup, n_tokens: int, hidden: int, dtype: torch.dtype,
-                         has_residual: bool, quantized: bool, timeout_s: float) -> None:
+def check_reference_call(group: dist.ProcessGroup, device: torch.device, n_tokens: int, hidden: int,
+                         dtype: torch.dtype, has_residual: bool, quantized: bool, timeout_s: float) -> None:
     """Before a reference-path call: every rank makes this call, the same one (a bounded exchange)."""
     number = next(_reference_calls.setdefault(group.group_name, itertools.count(1)))
-    exchange(group, {"record": REFERENCE_CALL, "reference call number": number, "tokens": n_tokens,
+    exchange(group, device, {"record": REFERENCE_CALL, "reference call number": number, "tokens": n_tokens,
                      "hidden": hidden, "dtype": DTYPE_CODES.get(dtype, 0), "residual": int(has_residual),
                      "fp8 output": int(quantized)},
              timeout_s, f"reference-path call #{number} ({n_tokens} x {hidden} {str(dtype)[6:]})")

@@ -102,7 +102,7 @@ class Communicator:
         """
         if self.world_size < 2:
             return
-        agreement.exchange(self.group, {
+        agreement.exchange(self.group, self.device, {
             "record": agreement.SETUP,
             "backend": BACKENDS.index(self.backend),
             "max_tokens": max_tokens,
@@ -229,7 +229,7 @@ class Communicator:
         For backends whose kernels do not compare calls themselves (``FusedBackend.compares_calls``),
         in debug mode.
         """
-        agreement.exchange(self.group, {
+        agreement.exchange(self.group, self.device, {
             "record": agreement.FUSED_CALL, "tokens": n_tokens, "hidden": hidden,
             "dtype": agreement.DTYPE_CODES.get(dtype, 0), "algorithm": select.ALGORITHMS.index(algorithm),
         }, self.wait_timeout_s, f"a fused call ({n_tokens} x {hidden})")

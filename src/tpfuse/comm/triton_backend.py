@@ -34,12 +34,9 @@ class TritonBackend(FusedBackend):
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, region_elems: int,
                  wait_timeout_s: float):
-        if device.type == "cuda":
-            self.workspace = ws.allocate_cuda(group, region_elems, device)
-            programs = torch.cuda.get_device_properties(device).multi_processor_count
-        else:
-            self.workspace = ws.allocate_shared_files(group, region_elems)
-            programs = CPU_MAX_PROGRAMS
+        self.workspace = ws.allocate(group, region_elems, device)
+        programs = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
+                    else CPU_MAX_PROGRAMS)
         # Kernel grids must match across ranks: agree on the smallest count once, here.
         agreed = torch.tensor([programs], dtype=torch.int64, device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)

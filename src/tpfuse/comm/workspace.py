@@ -2,10 +2,9 @@
 
 Each rank owns one buffer of ``layout.buffer_elems`` 16-bit words (the slots, then the call
 descriptors), filled with the sentinel, plus a small private state vector the kernels use to rotate
-slots. Every rank holds a
-table of the device addresses of all ranks' buffers (``peer_ptrs``): kernels reach peers only
-through it, never through tensor arguments (the Triton interpreter copies tensor arguments back
-after a launch, which would overwrite what peers wrote meanwhile).
+slots. Every rank holds a table of the device addresses of all ranks' buffers (``peer_ptrs``):
+kernels reach peers only through it, never through tensor arguments (the Triton interpreter copies
+tensor arguments back after a launch, which would overwrite what peers wrote meanwhile).
 """
 
 from __future__ import annotations
@@ -116,3 +115,11 @@ def allocate_shared_files(group: dist.ProcessGroup, region_elems: int) -> Worksp
     peer_ptrs = torch.tensor([t.data_ptr() for t in mapped], dtype=torch.int64)
     state = torch.zeros(STATE_LEN, dtype=torch.int32)
     return Workspace(region_elems, own, peer_ptrs, state, mapped)
+
+
+def allocate(group: dist.ProcessGroup, region_elems: int, device: torch.device) -> Workspace:
+    """The workspace for ``device``: :func:`allocate_cuda` on a GPU, :func:`allocate_shared_files` on the
+    CPU (collective)."""
+    if device.type == "cuda":
+        return allocate_cuda(group, region_elems, device)
+    return allocate_shared_files(group, region_elems)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from tpfuse import _stats, select
 from tpfuse.comm import agreement
-from tpfuse.comm.communicator import default_wait_timeout_s, lookup_communicator, resolve_group
+from tpfuse.comm.communicator import default_wait_timeout_s, group_device, lookup_communicator, resolve_group
 from tpfuse.kernels.reference import add_rmsnorm_reference
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -136,8 +136,8 @@ def _run(x, residual, weight, eps, group_name, quant_scale, y, h) -> None:
     checking = checking and dist.get_world_size(group) > 1
     timeout = comm.wait_timeout_s if comm is not None else default_wait_timeout_s()
     if checking:  # the kernels' comparison of calls does not cover the group's all-reduce: compare here
-        agreement.check_reference_call(group, n_tokens, hidden, x.dtype, residual is not None,
-                                       quant_scale is not None, timeout)
+        agreement.check_reference_call(group, group_device(group), n_tokens, hidden, x.dtype,
+                                       residual is not None, quant_scale is not None, timeout)
     if n_tokens == 0:
         return
     reduced = x.to(torch.float32, copy=True)
