@@ -9,13 +9,14 @@
 from tpfuse._stats import reset_stats, stats
 from tpfuse.comm import Communicator, check_errors, destroy_all, get_communicator
 from tpfuse.compiler import compile, explain
-from tpfuse.ops import allreduce_add_rmsnorm
+from tpfuse.ops import allreduce_add_rmsnorm, allreduce_add_rmsnorm_dynamic_fp8
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Communicator",
     "allreduce_add_rmsnorm",
+    "allreduce_add_rmsnorm_dynamic_fp8",
     "check_errors",
     "compile",
     "destroy_all",

@@ -13,23 +13,34 @@ import sys
 import pytest
 
 POINTERS = {"x_ptr": "*{dt}", "residual_ptr": "*{dt}", "weight_ptr": "*{dt}", "y_ptr": "*{yt}",
-            "h_ptr": "*{dt}", "scale_ptr": "*fp32", "peer_ptrs_ptr": "*i64", "state_ptr": "*i32"}
+            "h_ptr": "*{dt}", "scale_ptr": "*fp32", "bias_ptr": "*{dt}", "sum_weight_ptr": "*{dt}",
+            "norm_bias_ptr": "*{dt}", "scales_ptr": "*fp32", "peer_ptrs_ptr": "*i64", "state_ptr": "*i32"}
 SCALARS = {"n_tokens": "i32", "hidden": "i32", "region_elems": "i32", "eps": "fp32", "wait_limit": "i64",
            "pushers": "i32", "group_rows": "i32"}
 ONESHOT = dict(CLEAR_FIRST=True, RELAXED_ARRIVE=True, SPLIT_PUSH=False, PUSH_CHUNKS=1)
-# (kernel, world, dtype, fp8 output, constexprs)
+STATIC_FP8 = dict(QUANT=1)
+# The epilogue's steps (kernels/epilogue.py): Phi's bias + LayerNorm, Gemma's post-norm, dynamic fp8.
+LAYER_NORM = dict(HAS_BIAS=True, LAYER_NORM=True, HAS_NORM_BIAS=True)
+GEMMA_PER_GROUP = dict(SUM_NORM=True, QUANT=2, SCALE_GROUP=128)
+# (kernel, world, dtype, constexprs)
 SHAPES = [
-    ("oneshot", 2, "bf16", False, dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192)),
+    ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192)),
     # Triton's launcher passes an integer argument of 1 as a constant: one-token calls compile apart.
-    ("oneshot", 2, "bf16", False, dict(ONESHOT, BLOCK_H=4096, BLOCK_C=4096, n_tokens=1)),
-    ("oneshot", 8, "fp16", True, dict(ONESHOT, BLOCK_H=4096, BLOCK_C=4096)),
-    ("oneshot", 4, "bf16", False, dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, CLEAR_FIRST=False,
-                                       RELAXED_ARRIVE=False)),
-    ("oneshot", 2, "bf16", False, dict(ONESHOT, BLOCK_H=8192, SPLIT_PUSH=True, PUSH_CHUNKS=4, BLOCK_C=2048)),
-    ("twoshot", 2, "bf16", False, dict(BLOCK_H=8192, GROUPED=False)),
-    ("twoshot", 2, "bf16", False, dict(BLOCK_H=8192, GROUPED=True)),
-    ("twoshot", 8, "fp16", True, dict(BLOCK_H=4096, GROUPED=False)),
+    ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=4096, BLOCK_C=4096, n_tokens=1)),
+    ("oneshot", 8, "fp16", dict(ONESHOT, BLOCK_H=4096, BLOCK_C=4096, **STATIC_FP8)),
+    ("oneshot", 4, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, CLEAR_FIRST=False,
+                                RELAXED_ARRIVE=False)),
+    ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, SPLIT_PUSH=True, PUSH_CHUNKS=4, BLOCK_C=2048)),
+    ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, **LAYER_NORM)),
+    ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=4096, BLOCK_C=4096, **GEMMA_PER_GROUP)),
+    ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, QUANT=2)),
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=False)),
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True)),
+    ("twoshot", 8, "fp16", dict(BLOCK_H=4096, GROUPED=False, **STATIC_FP8)),
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, **LAYER_NORM)),
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, **GEMMA_PER_GROUP)),
 ]
+PLAIN = dict(HAS_BIAS=False, SUM_NORM=False, LAYER_NORM=False, HAS_NORM_BIAS=False, QUANT=0, SCALE_GROUP=0)
 
 
 def _compile_all() -> None:
@@ -42,10 +53,11 @@ def _compile_all() -> None:
 
     kernels = {"oneshot": _oneshot_allreduce_add_rmsnorm_kernel,
                "twoshot": _twoshot_allreduce_add_rmsnorm_kernel}
-    for name, world, dtype, quant, constexprs in SHAPES:
+    for name, world, dtype, constexprs in SHAPES:
         kernel = kernels[name]
-        flags = dict(RANK=world - 1, WORLD=world, HAS_RESIDUAL=True, HAS_QUANT=quant, USE_PDL=True,
+        flags = dict(PLAIN, RANK=world - 1, WORLD=world, HAS_RESIDUAL=True, USE_PDL=True,
                      DEADLINE_GIVEN=False, DESC_FLAGS=5, **constexprs)
+        quant = flags["QUANT"] > 0
         signature = {
             arg: "constexpr" if arg in flags
             else POINTERS[arg].format(dt=dtype, yt="u8" if quant else dtype) if arg in POINTERS

@@ -89,10 +89,12 @@ def reset_numbers(group_name: str) -> None:
 
 
 def check_reference_call(group: dist.ProcessGroup, device: torch.device, n_tokens: int, hidden: int,
-                         dtype: torch.dtype, has_residual: bool, quantized: bool, timeout_s: float) -> None:
-    """Before a reference-path call: every rank makes this call, the same one (a bounded exchange)."""
+                         dtype: torch.dtype, has_residual: bool, quantized: bool, epilogue_flags: int,
+                         timeout_s: float) -> None:
+    """Before a reference-path call: every rank makes this call, the same one (a bounded exchange).
+    ``epilogue_flags``: the call's other steps (``Epilogue.flags``)."""
     number = next(_reference_calls.setdefault(group.group_name, itertools.count(1)))
     exchange(group, device, {"record": REFERENCE_CALL, "reference call number": number, "tokens": n_tokens,
                      "hidden": hidden, "dtype": DTYPE_CODES.get(dtype, 0), "residual": int(has_residual),
-                     "fp8 output": int(quantized)},
+                     "fp8 output": int(quantized), "epilogue": epilogue_flags},
              timeout_s, f"reference-path call #{number} ({n_tokens} x {hidden} {str(dtype)[6:]})")

@@ -13,6 +13,8 @@ import abc
 
 import torch
 
+from tpfuse.kernels.epilogue import Epilogue
+
 
 class FusedBackend(abc.ABC):
     """A group's fused all-reduce + residual add + RMSNorm kernels and the buffers they own."""
@@ -28,14 +30,16 @@ class FusedBackend(abc.ABC):
     def region_bytes(self) -> int:
         """Bytes one rank may send in a call: the input of ``select.max_token_num``."""
 
-    def takes(self, n_tokens: int, quantized: bool) -> bool:
+    def takes(self, n_tokens: int, quantized: bool, epilogue: Epilogue) -> bool:
         """Whether this backend runs such a call at all (else it takes the reference path)."""
         return True
 
     @abc.abstractmethod
     def run(self, algorithm: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            eps: float, y: torch.Tensor, h: torch.Tensor, quant_scale: torch.Tensor | None) -> None:
-        """Run one call with ``algorithm`` (``select.ONESHOT`` or ``select.TWOSHOT``); writes y and h."""
+            eps: float, y: torch.Tensor, h: torch.Tensor, quant_scale: torch.Tensor | None,
+            epilogue: Epilogue) -> None:
+        """Run one call with ``algorithm`` (``select.ONESHOT`` or ``select.TWOSHOT``); writes y and h (and
+        the epilogue's scales)."""
 
     def set_wait_timeout(self, seconds: float) -> None:
         """The bound of every wait for a peer, for launches from now on (where the kernels have one)."""

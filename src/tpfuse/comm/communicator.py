@@ -15,6 +15,7 @@ from tpfuse import select
 from tpfuse.comm import agreement
 from tpfuse.comm.backend import FusedBackend
 from tpfuse.kernels import kernels_usable
+from tpfuse.kernels.epilogue import PLAIN, Epilogue
 
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_HIDDEN = 8192
@@ -168,15 +169,16 @@ class Communicator:
                 f"{self._table_digest()}")
 
     def choose_algorithm(self, n_tokens: int, hidden: int, dtype: torch.dtype,
-                         quantized: bool = False) -> str:
+                         quantized: bool = False, epilogue: Epilogue = PLAIN) -> str:
         """The algorithm a call of this group runs (see :func:`tpfuse.select.choose_algorithm`)."""
-        if self.fused is not None and not self.fused.takes(n_tokens, quantized):
+        if self.fused is not None and not self.fused.takes(n_tokens, quantized, epilogue):
             return select.REFERENCE
         return select.choose_algorithm(n_tokens, hidden, dtype, self.world_size, self.workspace_bytes,
                                        self.device)
 
     def run_fused(self, algorithm: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                  eps: float, y: torch.Tensor, h: torch.Tensor, quant_scale: torch.Tensor | None) -> str:
+                  eps: float, y: torch.Tensor, h: torch.Tensor, quant_scale: torch.Tensor | None,
+                  epilogue: Epilogue = PLAIN) -> str:
         """Run one call that :meth:`choose_algorithm` gave to a fused kernel; return its stats label.
 
         One thread at a time: a call made while another thread's call of this communicator is running
@@ -189,12 +191,12 @@ class Communicator:
                 "while one was running; a communicator serves one thread at a time (give each thread its "
                 "own process group and communicator)")
         try:
-            return self._run_fused(algorithm, x, residual, weight, eps, y, h, quant_scale)
+            return self._run_fused(algorithm, x, residual, weight, eps, y, h, quant_scale, epilogue)
         finally:
             self._busy.release()
 
-    def _run_fused(self, algorithm, x, residual, weight, eps, y, h, quant_scale) -> str:
-        self.fused.run(algorithm, x, residual, weight, eps, y, h, quant_scale)
+    def _run_fused(self, algorithm, x, residual, weight, eps, y, h, quant_scale, epilogue) -> str:
+        self.fused.run(algorithm, x, residual, weight, eps, y, h, quant_scale, epilogue)
         return f"{self.fused.name}.{algorithm}"
 
     def check_usable(self) -> None:

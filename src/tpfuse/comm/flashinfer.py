@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse.comm.backend import FusedBackend
+from tpfuse.kernels.epilogue import PLAIN, Epilogue
 from tpfuse.select import ONESHOT
 
 
@@ -30,7 +31,8 @@ def load_flashinfer():
 
 class FlashInferBackend(FusedBackend):
     """FlashInfer's kernels over one IPC workspace for ``max_tokens`` rows of up to ``hidden`` elements
-    (collective to create). Its fp8 output and empty calls are not wired: those take the reference path."""
+    (collective to create). Only the plain epilogue (residual add and RMSNorm) is wired: fp8 output, the
+    epilogue's other steps and empty calls take the reference path."""
 
     name = "flashinfer"
 
@@ -46,8 +48,8 @@ class FlashInferBackend(FusedBackend):
     def region_bytes(self) -> int:
         return self.max_tokens * self.hidden * 2 if self._ipc_handles is not None else 0
 
-    def takes(self, n_tokens: int, quantized: bool) -> bool:
-        return n_tokens > 0 and not quantized
+    def takes(self, n_tokens: int, quantized: bool, epilogue: Epilogue) -> bool:
+        return n_tokens > 0 and not quantized and epilogue.plain
 
     def run(
         self,
@@ -59,8 +61,9 @@ class FlashInferBackend(FusedBackend):
         y: torch.Tensor,
         h: torch.Tensor,
         quant_scale: torch.Tensor | None = None,
+        epilogue: Epilogue = PLAIN,
     ) -> None:
-        assert quant_scale is None, "takes() refuses fp8 output"
+        assert quant_scale is None and epilogue.plain, "takes() refuses fp8 output and other epilogues"
         n_tokens, hidden = x.shape
         fi = self._fi
         fi.trtllm_allreduce_fusion(

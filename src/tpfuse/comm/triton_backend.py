@@ -50,12 +50,12 @@ class TritonBackend(FusedBackend):
     def region_bytes(self) -> int:
         return self.workspace.region_bytes if self.workspace is not None else 0
 
-    def run(self, algorithm, x, residual, weight, eps, y, h, quant_scale) -> None:
+    def run(self, algorithm, x, residual, weight, eps, y, h, quant_scale, epilogue) -> None:
         if algorithm == select.ONESHOT:
             from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm as launch
         else:
             from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm as launch
-        launch(self.launch, x, residual, weight, eps, y, h, quant_scale)
+        launch(self.launch, x, residual, weight, eps, y, h, quant_scale, epilogue)
 
     def set_wait_timeout(self, seconds: float) -> None:
         self.launch.wait_limit_ns = int(seconds * 1e9)

@@ -32,6 +32,13 @@ STATE_LEN = STATE_ERROR_SEEN + DESC_WORDS
 
 #: Bits of a descriptor's flags word.
 FLAG_BF16, FLAG_FP16, FLAG_RESIDUAL, FLAG_QUANT, FLAG_TWOSHOT = 1, 2, 4, 8, 16
+#: Epilogue bits (``kernels.epilogue.Epilogue.flags``).
+FLAG_BIAS, FLAG_SUM_NORM, FLAG_LAYER_NORM, FLAG_NORM_BIAS = 32, 64, 128, 256
+FLAG_DYNAMIC_TOKEN, FLAG_DYNAMIC_GROUP = 512, 1024
+_FLAG_WORDS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYER_NORM, "LayerNorm"),
+               (FLAG_NORM_BIAS, "norm bias"), (FLAG_QUANT, "fp8 output"),
+               (FLAG_DYNAMIC_TOKEN, "fp8 output scaled per token"),
+               (FLAG_DYNAMIC_GROUP, "fp8 output scaled per group"))
 
 
 def buffer_elems(region_elems: int, world_size: int) -> int:
@@ -62,8 +69,7 @@ def explain_descriptor(words: list[int], other: list[int] | None = None) -> str:
     dtype = "bfloat16" if flags & FLAG_BF16 else "float16" if flags & FLAG_FP16 else "?"
     parts = [f"{tokens(words)} x {words[2]} {dtype} {'twoshot' if flags & FLAG_TWOSHOT else 'oneshot'}",
              "residual" if flags & FLAG_RESIDUAL else "no residual"]
-    if flags & FLAG_QUANT:
-        parts.append("fp8 output")
+    parts += [word for bit, word in _FLAG_WORDS if flags & bit]
     if other is not None and other[4] != words[4]:
         parts.append(f"its call #{words[4] + 1} (mod 32768)")
     if other is not None and region(other) != region(words):

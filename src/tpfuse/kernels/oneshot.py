@@ -16,7 +16,8 @@ Protocol (no barrier round trip, graph-safe; see docs/kernel-notes.md):
             peer whose call differs fails the call at once (recorded, every wait then gives up)
     wait:   it polls region r of its own slot s (volatile loads) until no word holds the sentinel
             (-0.0), for each peer r, until the deadline; its own rows it reads from x
-    reduce: fp32 sum in rank order, + residual, RMSNorm, * weight, optional fp8 (NaN once failed)
+    reduce: fp32 sum in rank order, the epilogue (kernels/epilogue.py: bias, post-norm, + residual,
+            RMSNorm or LayerNorm, optional fp8; NaN once failed)
     count:  the last program to finish records this call's extent (and a failure) and advances c
 
 A peer can be at most one call ahead (it needs our data to finish each call), so it only ever
@@ -32,10 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.epilogue import PLAIN, Epilogue, _before_residual, _load_params, _store_normed
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (_check_peers, _clear_slot, _descriptors, _finish_call, _multiple_of_8,
-                                     _peer_base, _sendable_bits, _slots, _start_clock, _store_normed,
-                                     _sum_in_rank_order, kernel_arguments, launch_config)
+                                     _peer_base, _sendable_bits, _slots, _start_clock, _sum_in_rank_order,
+                                     kernel_arguments, launch_config)
 
 
 @triton.jit
@@ -61,11 +63,13 @@ def _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, first, step,
 @triton.jit
 def _oneshot_allreduce_add_rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, scale_ptr,
+    bias_ptr, sum_weight_ptr, norm_bias_ptr, scales_ptr,
     peer_ptrs_ptr, state_ptr,
     n_tokens, hidden, region_elems, eps, wait_limit, pushers,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_QUANT: tl.constexpr, USE_PDL: tl.constexpr, DEADLINE_GIVEN: tl.constexpr,
-    DESC_FLAGS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SUM_NORM: tl.constexpr, LAYER_NORM: tl.constexpr,
+    HAS_NORM_BIAS: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr,
+    USE_PDL: tl.constexpr, DEADLINE_GIVEN: tl.constexpr, DESC_FLAGS: tl.constexpr,
     CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr,
     SPLIT_PUSH: tl.constexpr, PUSH_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -102,7 +106,8 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     if CLEAR_FIRST:  # the previous slot is ours alone until our next call: clear it while data flies
         _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w, b, sw, nb = _load_params(weight_ptr, bias_ptr, sum_weight_ptr, norm_bias_ptr, cols, mask, HAS_BIAS,
+                                SUM_NORM, HAS_NORM_BIAS)
     deadline = _start_clock(wait_limit, DEADLINE_GIVEN)
     deadline, failed = _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK, WORLD)
     row = first_row
@@ -114,10 +119,12 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         x_bits = _sendable_bits(x_ptr, offs, mask)
         h, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask, deadline,
                                        failed, RANK, WORLD, BLOCK_H)
+        h = _before_residual(h, b, sw, hidden, eps, HAS_BIAS, SUM_NORM)
         if HAS_RESIDUAL:
             h += res
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
-        _store_normed(h, w, y_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
+        _store_normed(h, w, nb, y_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden, eps, LAYER_NORM, QUANT,
+                      SCALE_GROUP, BLOCK_H)
         row += row_step
     if not CLEAR_FIRST:
         _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
@@ -159,6 +166,7 @@ def oneshot_allreduce_add_rmsnorm(
     y: torch.Tensor,
     h: torch.Tensor,
     quant_scale: torch.Tensor | None = None,
+    epilogue: Epilogue = PLAIN,
     variant: OneShotVariant = DEFAULT_VARIANT,
 ) -> None:
     """Launch the one-shot kernel: writes ``y`` and ``h``. Inputs are checked by the caller.
@@ -167,7 +175,7 @@ def oneshot_allreduce_add_rmsnorm(
     at once (a program waits for the same program of its peers).
     """
     n_tokens, hidden = x.shape
-    args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale, twoshot=False)
+    args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale, epilogue, twoshot=False)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant.pdl)
     # One row a program, at most max_programs (the grid must be resident). Two large rows a program
     # from 65 tokens on stopped paying once rows moved 16 bytes an access: one row a program

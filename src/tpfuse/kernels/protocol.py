@@ -16,7 +16,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tpfuse.kernels import layout
-from tpfuse.kernels.fp8 import fp32_to_e4m3fn_bits
+from tpfuse.kernels.epilogue import Epilogue
 from tpfuse.kernels.layout import LaunchContext
 
 # Globals a jitted function reads must be constexpr objects.
@@ -54,14 +54,16 @@ def kernel_arguments(
     y: torch.Tensor,
     h: torch.Tensor,
     quant_scale: torch.Tensor | None,
+    epilogue: Epilogue,
     twoshot: bool,
 ) -> tuple[tuple, dict]:
     """Both kernels' leading positional arguments, in order, and the flags that follow from them.
 
-    An absent residual or scale is passed as a stand-in pointer the kernel never reads; an fp8 ``y``
-    is written as bytes. The wait bound is a duration on a GPU, where a launch may be captured in a
-    CUDA graph and replayed later; on the CPU it is the launch's deadline, which every program shares
-    (the interpreter runs programs one after another, so a per-program duration would add up).
+    An absent residual, scale or epilogue tensor is passed as a stand-in pointer the kernel never
+    reads; an fp8 ``y`` is written as bytes. The wait bound is a duration on a GPU, where a launch may
+    be captured in a CUDA graph and replayed later; on the CPU it is the launch's deadline, which every
+    program shares (the interpreter runs programs one after another, so a per-program duration would
+    add up).
     """
     n_tokens, hidden = x.shape
     workspace = ctx.workspace
@@ -69,20 +71,23 @@ def kernel_arguments(
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == layout.STATE_LEN
     # The kernels take both for multiples of 8 (16-byte rows); select.kernel_supports admits no others.
     assert hidden % 8 == 0 and workspace.region_elems % 8 == 0, (hidden, workspace.region_elems)
+    fp8_out = quant_scale is not None or epilogue.scale_group > 0
     args = (x, residual if residual is not None else x, weight,
-            y.view(torch.uint8) if quant_scale is not None else y, h,
-            quant_scale if quant_scale is not None else weight,
+            y.view(torch.uint8) if fp8_out else y, h,
+            quant_scale if quant_scale is not None else weight, *epilogue.pointers(weight),
             workspace.peer_ptrs, workspace.state,
             n_tokens, hidden, workspace.region_elems, eps,
             ctx.wait_limit_ns if on_gpu else time.monotonic_ns() + ctx.wait_limit_ns)
-    flags = dict(HAS_RESIDUAL=residual is not None, HAS_QUANT=quant_scale is not None,
-                 DEADLINE_GIVEN=not on_gpu, DESC_FLAGS=call_flags(x.dtype, residual is not None,
-                                                                  quant_scale is not None, twoshot))
+    flags = dict(HAS_RESIDUAL=residual is not None, **epilogue.constexprs(hidden, quant_scale is not None),
+                 DEADLINE_GIVEN=not on_gpu,
+                 DESC_FLAGS=call_flags(x.dtype, residual is not None, quant_scale is not None, twoshot)
+                 | epilogue.flags(hidden))
     return args, flags
 
 
 def call_flags(dtype: torch.dtype, has_residual: bool, quantized: bool, twoshot: bool) -> int:
-    """The flags word of a call's descriptor (``layout.FLAG_*``)."""
+    """The flags word of a call's descriptor (``layout.FLAG_*``), less the epilogue's bits
+    (``Epilogue.flags``)."""
     return ((layout.FLAG_BF16 if dtype == torch.bfloat16 else layout.FLAG_FP16) |
             (layout.FLAG_RESIDUAL if has_residual else 0) | (layout.FLAG_QUANT if quantized else 0) |
             (layout.FLAG_TWOSHOT if twoshot else 0))
@@ -315,15 +320,3 @@ def _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_progra
         tl.store(state_ptr + _STATE_EXTENT + slot, n_tokens * hidden)
         tl.store(state_ptr + _STATE_CALL, call + 1)
         tl.store(state_ptr + _STATE_ARRIVED, 0)
-
-
-@triton.jit
-def _store_normed(h, w, y_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT: tl.constexpr):
-    """y = h * rsqrt(mean(h*h) + eps) * w from an fp32 row, stored in y's dtype or as fp8 bits."""
-    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    y = h * rstd * w
-    if HAS_QUANT:  # y_ptr is the fp8 output viewed as uint8
-        y = tl.clamp(y / tl.load(scale_ptr), -448.0, 448.0)
-        tl.store(y_ptr + offs, fp32_to_e4m3fn_bits(y), mask=mask)
-    else:
-        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)

@@ -1,10 +1,48 @@
-"""Pure-torch reference of the fused op: the reference backend's math and the kernels' oracle."""
+"""Pure-torch reference of the fused op: the reference backend's math and the kernels' oracle.
+
+The steps are those of ``kernels/epilogue.py``: sum, + bias, post-norm, + residual, RMSNorm or
+LayerNorm, fp8 with a static or dynamic scale.
+"""
 
 from __future__ import annotations
 
 import torch
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from tpfuse.kernels.epilogue import FP8_MAX, MIN_DYNAMIC_SCALE, PLAIN, Epilogue
+
+__all__ = ["FP8_MAX", "add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64"]
+
+
+def _rmsnorm(s: torch.Tensor, eps: float) -> torch.Tensor:
+    return s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def _epilogue(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+              epilogue: Epilogue) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h) from the sum ``h``, in ``h``'s floating type (fp32 or float64), before any fp8 step."""
+    dtype = h.dtype
+    if epilogue.bias is not None:
+        h = h + epilogue.bias.to(dtype)
+    if epilogue.sum_weight is not None:
+        h = _rmsnorm(h, eps) * epilogue.sum_weight.to(dtype)
+    if residual is not None:
+        h = h + residual.to(dtype)
+    if epilogue.layer_norm:
+        y = _rmsnorm(h - h.mean(dim=-1, keepdim=True), eps) * weight.to(dtype)
+        if epilogue.norm_bias is not None:
+            y = y + epilogue.norm_bias.to(dtype)
+    else:
+        y = _rmsnorm(h, eps) * weight.to(dtype)
+    return y, h
+
+
+def dynamic_fp8(y: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y`` [T, H] as float8_e4m3fn with one scale per ``group`` elements of a row, and the scales
+    [T, H // group] (float32): ``scale = max(amax / 448, MIN_DYNAMIC_SCALE)``, ``q = y / scale``."""
+    groups = y.float().unflatten(-1, (-1, group))
+    scales = (groups.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_DYNAMIC_SCALE)
+    q = (groups / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).flatten(-2).to(torch.float8_e4m3fn)
+    return q, scales
 
 
 def add_rmsnorm_reference(
@@ -14,24 +52,25 @@ def add_rmsnorm_reference(
     eps: float,
     quant_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add and RMSNorm of an already all-reduced ``reduced`` [T, H], in fp32.
+    epilogue: Epilogue = PLAIN,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The epilogue of an already all-reduced ``reduced`` [T, H], in fp32.
 
-    Returns ``(y, h)``: ``h`` in ``out_dtype`` (default ``reduced.dtype``), ``y`` in that dtype or
-    float8_e4m3fn when ``quant_scale`` is given. ``y`` is computed from the fp32 ``h``, as the
-    one-shot kernel does (the two-shot computes it from the rounded ``h`` that travels).
+    Returns ``(y, h, scales)``: ``h`` in ``out_dtype`` (default ``reduced.dtype``), ``y`` in that dtype
+    or float8_e4m3fn when ``quant_scale`` is given or the epilogue is dynamic fp8 (then ``scales``,
+    else None). ``y`` is computed from the fp32 ``h``, as the one-shot kernel does (the two-shot
+    computes it from the rounded ``h`` that travels).
     """
     out_dtype = out_dtype or reduced.dtype
-    h = reduced.float()
-    if residual is not None:
-        h = h + residual.float()
-    rstd = torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
-    y = h * rstd * weight.float()
+    y, h = _epilogue(reduced.float(), residual, weight, eps, epilogue)
+    scales = None
     if quant_scale is not None:
         y = (y / quant_scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    elif epilogue.scale_group:
+        y, scales = dynamic_fp8(y, epilogue.scale_group)
     else:
         y = y.to(out_dtype)
-    return y, h.to(out_dtype)
+    return y, h.to(out_dtype), scales
 
 
 def fused_reference_float64(
@@ -40,15 +79,14 @@ def fused_reference_float64(
     weight: torch.Tensor,
     eps: float,
     quant_scale: torch.Tensor | None = None,
+    epilogue: Epilogue = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole op in float64 from every rank's input: the oracle tests compare against.
 
-    Returns float64 ``(y, h)``; ``y`` is divided by the scale and clamped, but not rounded to fp8.
+    Returns float64 ``(y, h)``; with a static scale ``y`` is divided by it and clamped, but not rounded
+    to fp8; a dynamic fp8 epilogue does not change ``y`` (compare ``q * scales`` with it).
     """
-    h = torch.stack([x.double() for x in xs]).sum(0)
-    if residual is not None:
-        h = h + residual.double()
-    y = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.double()
+    y, h = _epilogue(torch.stack([x.double() for x in xs]).sum(0), residual, weight, eps, epilogue)
     if quant_scale is not None:
         y = (y / quant_scale.double()).clamp(-FP8_MAX, FP8_MAX)
     return y, h

@@ -9,7 +9,8 @@ result once (reduce-scatter, then all-gather), still without a barrier round tri
              owner's slot
     clear:   the previous slot, as in the one-shot
     reduce:  for the rows it owns, a program waits for every peer's x, sums in rank order in fp32,
-             adds the residual, rounds h to the output dtype and stores that h into region RANK of
+             applies the epilogue's steps before the residual (bias, post-norm), adds the residual,
+             rounds h to the output dtype and stores that h into region RANK of
              every peer's slot
     gather:  for the rows others own, it waits for the owner's h in region owner(j) of its own slot
     norm:    y is computed from the rounded h by every rank alike, so all ranks agree bit for bit
@@ -28,11 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
+from tpfuse.kernels.epilogue import PLAIN, Epilogue, _before_residual, _load_params, _store_normed
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (_check_peers, _clear_slot, _descriptors, _finish_call, _multiple_of_8,
                                      _nan_bits, _peer_base, _sendable, _sendable_bits, _slots, _start_clock,
-                                     _store_normed, _sum_in_rank_order, _wait_row, kernel_arguments,
-                                     launch_config)
+                                     _sum_in_rank_order, _wait_row, kernel_arguments, launch_config)
 
 
 @triton.jit
@@ -41,11 +42,14 @@ def _owner(row, n_programs, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT: tl.constexpr):
+def _store_h_and_normed(h_bits, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden, eps,
+                        LAYER_NORM: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
     """Store the rounded h and the y computed from it: the same code on the owner and on its peers."""
     h = h_bits.to(h_ptr.dtype.element_ty, bitcast=True)
     tl.store(h_ptr + offs, h, mask=mask)
-    _store_normed(h.to(tl.float32), w, y_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
+    _store_normed(h.to(tl.float32), w, nb, y_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden, eps,
+                  LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
 
 
 @triton.jit
@@ -64,10 +68,11 @@ def _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, la
 
 
 @triton.jit
-def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, own_slot, send_base, w,
-                  hidden, region_elems, eps, n_programs, pid, first, last, cols, mask, deadline, failed,
-                  RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                  HAS_QUANT: tl.constexpr):
+def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, peer_ptrs_ptr, own_slot,
+                  send_base, w, b, sw, nb, hidden, region_elems, eps, n_programs, pid, first, last, cols,
+                  mask, deadline, failed, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SUM_NORM: tl.constexpr,
+                  LAYER_NORM: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr):
     """For the rows among first..last-1 we own: wait for the peers' x, reduce, send the rounded h to all."""
     i = first
     while i < last:
@@ -78,6 +83,7 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, o
                 res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             acc, failed = _sum_in_rank_order(x_ptr, _sendable_bits(x_ptr, offs, mask), own_slot, region_elems,
                                              offs, mask, deadline, failed, RANK, WORLD, BLOCK_H)
+            acc = _before_residual(acc, b, sw, hidden, eps, HAS_BIAS, SUM_NORM)
             if HAS_RESIDUAL:
                 acc += res
             # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
@@ -85,15 +91,17 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, o
             for r in tl.static_range(WORLD):
                 if r != RANK:
                     tl.store(_peer_base(peer_ptrs_ptr, r) + send_base + offs, h_bits, mask=mask)
-            _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
+            _store_h_and_normed(h_bits, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden,
+                                eps, LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
         i += 1
     return failed
 
 
 @triton.jit
-def _gather_others(y_ptr, h_ptr, scale_ptr, own_slot, w, hidden, region_elems, eps, n_programs, pid, first,
-                   last, cols, mask, deadline, failed, WORLD: tl.constexpr, RANK: tl.constexpr,
-                   HAS_QUANT: tl.constexpr):
+def _gather_others(y_ptr, h_ptr, scale_ptr, scales_ptr, own_slot, w, nb, hidden, region_elems, eps,
+                   n_programs, pid, first, last, cols, mask, deadline, failed, WORLD: tl.constexpr,
+                   RANK: tl.constexpr, BLOCK_H: tl.constexpr, LAYER_NORM: tl.constexpr, QUANT: tl.constexpr,
+                   SCALE_GROUP: tl.constexpr):
     """For the rows among first..last-1 others own: wait for the owner's h, then store h and y."""
     i = first
     while i < last:
@@ -104,7 +112,8 @@ def _gather_others(y_ptr, h_ptr, scale_ptr, own_slot, w, hidden, region_elems, e
             h_bits, missing = _wait_row(own_slot + owner * region_elems + offs, mask, deadline)
             failed |= missing
             h_bits = tl.where(failed > 0, _nan_bits(h_ptr), h_bits)  # as _poisoned, for words
-            _store_h_and_normed(h_bits, w, y_ptr, h_ptr, scale_ptr, offs, mask, hidden, eps, HAS_QUANT)
+            _store_h_and_normed(h_bits, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden,
+                                eps, LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
         i += 1
     return failed
 
@@ -117,6 +126,10 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     y_ptr,
     h_ptr,
     scale_ptr,
+    bias_ptr,
+    sum_weight_ptr,
+    norm_bias_ptr,
+    scales_ptr,
     peer_ptrs_ptr,
     state_ptr,
     n_tokens,
@@ -129,7 +142,12 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     WORLD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    HAS_QUANT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SUM_NORM: tl.constexpr,
+    LAYER_NORM: tl.constexpr,
+    HAS_NORM_BIAS: tl.constexpr,
+    QUANT: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
     USE_PDL: tl.constexpr,
     DEADLINE_GIVEN: tl.constexpr,
     DESC_FLAGS: tl.constexpr,
@@ -160,7 +178,8 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, last, cols, mask, RANK, WORLD)
     _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w, b, sw, nb = _load_params(weight_ptr, bias_ptr, sum_weight_ptr, norm_bias_ptr, cols, mask, HAS_BIAS,
+                                SUM_NORM, HAS_NORM_BIAS)
     deadline = _start_clock(wait_limit, DEADLINE_GIVEN)
     deadline, failed = _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK, WORLD)
     while first < my_rows:
@@ -169,11 +188,13 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
             after = tl.minimum(last + group_rows, my_rows)
             _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, last, after, cols, mask,
                      RANK, WORLD)
-        failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, peer_ptrs_ptr, own_slot,
-                               send_base, w, hidden, region_elems, eps, n_programs, pid, first, last, cols,
-                               mask, deadline, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL, HAS_QUANT)
-        failed = _gather_others(y_ptr, h_ptr, scale_ptr, own_slot, w, hidden, region_elems, eps, n_programs,
-                                pid, first, last, cols, mask, deadline, failed, WORLD, RANK, HAS_QUANT)
+        failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, peer_ptrs_ptr,
+                               own_slot, send_base, w, b, sw, nb, hidden, region_elems, eps, n_programs, pid,
+                               first, last, cols, mask, deadline, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL,
+                               HAS_BIAS, SUM_NORM, LAYER_NORM, QUANT, SCALE_GROUP)
+        failed = _gather_others(y_ptr, h_ptr, scale_ptr, scales_ptr, own_slot, w, nb, hidden, region_elems,
+                                eps, n_programs, pid, first, last, cols, mask, deadline, failed, WORLD, RANK,
+                                BLOCK_H, LAYER_NORM, QUANT, SCALE_GROUP)
         first = last
         last = after
     _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_programs, True)
@@ -196,6 +217,7 @@ def twoshot_allreduce_add_rmsnorm(
     y: torch.Tensor,
     h: torch.Tensor,
     quant_scale: torch.Tensor | None = None,
+    epilogue: Epilogue = PLAIN,
     group_rows: int = GROUP_ROWS,
 ) -> None:
     """Launch the two-shot kernel: writes ``y`` and ``h``. Same contract as the one-shot launcher.
@@ -204,7 +226,7 @@ def twoshot_allreduce_add_rmsnorm(
     no more rows than that, and :data:`ALL_ROWS`, take all of their rows as one group.
     """
     n_tokens, hidden = x.shape
-    args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale, twoshot=True)
+    args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale, epilogue, twoshot=True)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device)
     programs = min(n_tokens, ctx.max_programs)
     _twoshot_allreduce_add_rmsnorm_kernel[(programs,)](

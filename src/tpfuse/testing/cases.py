@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpfuse.kernels.epilogue import Epilogue
 from tpfuse.kernels.reference import fused_reference_float64
 
 # (atol, rtol) of y and h against float64, by the dtype y is stored in.
@@ -19,6 +20,8 @@ TOLERANCE = {
     torch.bfloat16: (2.5e-2, 1.6e-2),
     torch.float8_e4m3fn: (2e-2, 7e-2),
 }
+#: Dynamic fp8 scales against amax / 448 of the float64 y (the two-shot's y comes from a rounded h).
+SCALE_TOLERANCE = (0.0, 1e-2)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,31 @@ class Case:
     # are nearly always exact in fp32 whatever the order, so no test could see the order. Needs 3+
     # ranks (two terms add the same either way); ignored below that.
     cancelling: bool = False
+    # The epilogue's optional steps (kernels/epilogue.py): a bias after the sum, Gemma's post-norm,
+    # LayerNorm (with its bias), dynamic fp8 with a scale per ``scale_group`` elements.
+    bias: bool = False
+    sum_norm: bool = False
+    layer_norm: bool = False
+    norm_bias: bool = False
+    scale_group: int = 0
+
+    def epilogue(self, inputs: dict, scales=None) -> Epilogue:
+        """The call's :class:`Epilogue` from ``inputs`` (``scales``: where a dynamic fp8 call writes them)."""
+        return Epilogue(inputs["bias"], inputs["sum_weight"], self.layer_norm, inputs["norm_bias"],
+                        self.scale_group, scales)
+
+    def call(self, inputs: dict, rank: int, **kwargs):
+        """This rank's call through the public API: ``(y, h)``, or ``(y, h, scales)`` for dynamic fp8."""
+        import tpfuse
+
+        args = (inputs["xs"][rank], inputs["residual"], inputs["weight"], self.eps)
+        extras = dict(bias=inputs["bias"], sum_weight=inputs["sum_weight"], layer_norm=self.layer_norm,
+                      norm_bias=inputs["norm_bias"], **kwargs)
+        if self.scale_group:
+            y, scales, h = tpfuse.allreduce_add_rmsnorm_dynamic_fp8(*args, scale_group=self.scale_group,
+                                                                    **extras)
+            return y, h, scales
+        return tpfuse.allreduce_add_rmsnorm(*args, quant_scale=inputs["quant_scale"], **extras)
 
     def inputs(self, world_size: int, device: torch.device | str = "cpu") -> dict:
         """All ranks' inputs: ``xs`` (one per rank), ``residual``, ``weight``, ``quant_scale``."""
@@ -50,21 +78,38 @@ class Case:
         weight = (1 + 0.5 * torch.randn(self.hidden, generator=g)).to(
             torch.float32 if self.weight_fp32 else self.dtype)
         scale = None if self.quant_scale is None else torch.tensor([self.quant_scale], dtype=torch.float32)
+
+        def row(wanted, centre):
+            return (centre + 0.5 * torch.randn(self.hidden, generator=g)).to(self.dtype) if wanted else None
+
         move = (lambda t: None if t is None else t.to(device))
         return {"xs": [move(x) for x in xs], "residual": move(residual), "weight": move(weight),
-                "quant_scale": move(scale)}
+                "quant_scale": move(scale), "bias": move(row(self.bias, 0.0)),
+                "sum_weight": move(row(self.sum_norm, 1.0)), "norm_bias": move(row(self.norm_bias, 0.0))}
 
 
-def check_results(case: Case, world_size: int, per_rank: list[tuple[torch.Tensor, torch.Tensor]],
+def check_results(case: Case, world_size: int, per_rank: list[tuple[torch.Tensor, ...]],
                   inputs: dict | None = None) -> None:
-    """Assert every rank's ``(y, h)`` matches float64 and that all ranks agree bit for bit."""
+    """Assert every rank's ``(y, h)`` (``(y, h, scales)`` for dynamic fp8) matches float64 and that all
+    ranks agree bit for bit.
+
+    A dynamic fp8 ``y`` is compared in its own scaled units (``y_ref / scale``), with fp8's tolerance,
+    and each scale with ``amax / 448`` of the float64 ``y``.
+    """
     inputs = inputs or case.inputs(world_size)
     y_ref, h_ref = fused_reference_float64(inputs["xs"], inputs["residual"], inputs["weight"], case.eps,
-                                           inputs["quant_scale"])
-    y0, h0 = per_rank[0]
-    for rank, (y, h) in enumerate(per_rank):
-        for name, got, ref in (("y", y, y_ref), ("h", h, h_ref)):
-            atol, rtol = TOLERANCE[got.dtype]
+                                           inputs["quant_scale"], case.epilogue(inputs))
+    first = per_rank[0]
+    for rank, (y, h, *scales) in enumerate(per_rank):
+        checks = [("y", y, y_ref), ("h", h, h_ref)]
+        if case.scale_group:
+            scales = scales[0].cpu().double()
+            groups = y_ref.cpu().unflatten(-1, (-1, case.scale_group))
+            expected = (groups.abs().amax(-1) / 448).clamp(min=1 / (448 * 512))
+            checks = [("y", y, (groups / scales.unsqueeze(-1)).flatten(-2)), ("h", h, h_ref),
+                      ("scales", scales.float(), expected)]
+        for name, got, ref in checks:
+            atol, rtol = SCALE_TOLERANCE if name == "scales" else TOLERANCE[got.dtype]
             got64 = got.cpu().double()
             bad = ~torch.isclose(got64, ref.cpu(), atol=atol, rtol=rtol)
             if bad.any():
@@ -72,6 +117,8 @@ def check_results(case: Case, world_size: int, per_rank: list[tuple[torch.Tensor
                 raise AssertionError(
                     f"{case} rank {rank}: {name} differs from float64 at {bad.sum().item()} places, first "
                     f"{i}: {got64[tuple(i)].item()} vs {ref[tuple(i)].item()}")
-        if not (torch.equal(y.view(torch.uint8), y0.view(torch.uint8))
-                and torch.equal(h.view(torch.uint8), h0.view(torch.uint8))):
+        ours = per_rank[rank]
+        same = [torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
+                for a, b in zip(ours, first)]
+        if not all(same):
             raise AssertionError(f"{case}: rank {rank}'s result is not bit-identical to rank 0's")

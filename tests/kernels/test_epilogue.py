@@ -1,0 +1,68 @@
+"""The epilogue's optional steps in both kernels: bias, Gemma's post-norm, LayerNorm, dynamic fp8."""
+
+import pytest
+import torch
+
+import tpfuse
+from tpfuse.testing import forced_table, rank_backends, rank_device
+from tpfuse.testing.cases import Case, check_results
+
+BACKENDS = rank_backends()
+HIDDENS = (512, 640, 2880)
+
+# Every step alone and in the combinations real models have, with and without a residual; 2880 and
+# 640 leave masked columns in the row (BLOCK_H 4096 and 1024), which the sums and maxima must ignore.
+CASES = [
+    Case(5, 512, bias=True, seed=1),                                          # row-parallel bias
+    Case(3, 2880, torch.float16, bias=True, residual=False, seed=2),
+    Case(6, 512, sum_norm=True, seed=3),                                      # Gemma 2/3
+    Case(4, 2880, sum_norm=True, residual=False, seed=4),
+    Case(7, 2880, layer_norm=True, norm_bias=True, bias=True, seed=5),       # Phi / GPT-NeoX
+    Case(5, 512, layer_norm=True, residual=False, seed=6),
+    Case(6, 2880, scale_group=2880, seed=7),                                  # dynamic fp8 per token
+    Case(5, 640, scale_group=128, bias=True, seed=8),                         # per group of 128
+    Case(3, 512, torch.float16, scale_group=64, sum_norm=True, residual=False, seed=9),
+    Case(4, 512, quant_scale=0.05, bias=True, layer_norm=True, seed=10),     # static fp8 after LayerNorm
+    Case(9, 640, seed=11),                                                    # the plain op between them
+]
+
+
+def _calls(rank, world_size, backend, cases, oneshot_max):
+    device = rank_device(backend, rank)
+    comm = tpfuse.get_communicator(max_tokens=16, hidden=4096)
+    tpfuse.reset_stats()
+    out, chosen = [], []
+    with forced_table(world_size, device, oneshot_max, hiddens=HIDDENS):
+        for case in cases:
+            chosen.append(comm.choose_algorithm(case.tokens, case.hidden, case.dtype))
+            out.append(tuple(t.cpu() for t in case.call(case.inputs(world_size, device), rank)))
+    return {"outputs": out, "chosen": chosen, "stats": tpfuse.stats()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
+def test_every_step_in_both_kernels(rank_pool, backend, world_size, algorithm):
+    oneshot_max = 16 if algorithm == "oneshot" else 0
+    results = rank_pool(world_size, backend).run(_calls, backend, CASES, oneshot_max)
+    for i, case in enumerate(CASES):
+        check_results(case, world_size, [res["outputs"][i] for res in results])
+    expected = ["oneshot" if c.tokens <= oneshot_max or c.tokens < world_size else "twoshot" for c in CASES]
+    assert algorithm in expected
+    for res in results:
+        assert res["chosen"] == expected
+        assert res["stats"] == {f"triton.{a}": expected.count(a) for a in set(expected)}
+
+
+def _reference_path(rank, world_size, cases):
+    tpfuse.destroy_all()  # no communicator: every call takes the group's all-reduce and the torch epilogue
+    tpfuse.reset_stats()
+    out = [tuple(t.cpu() for t in case.call(case.inputs(world_size), rank)) for case in cases]
+    return {"outputs": out, "stats": tpfuse.stats()}
+
+
+def test_every_step_on_the_reference_path(rank_pool):
+    results = rank_pool(2).run(_reference_path, CASES)
+    for i, case in enumerate(CASES):
+        check_results(case, 2, [res["outputs"][i] for res in results])
+    assert all(res["stats"] == {"reference": len(CASES)} for res in results)
