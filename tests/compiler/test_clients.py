@@ -50,13 +50,17 @@ def _token_ids(batch, seq, vocab=256):
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(batch * 1000 + seq))
 
 
-def _assert_fused(results, sites):
+def _assert_fused(results, sites, calls_per_run=None, patterns=None):
+    """Every one of ``sites`` all-reduces fused (by ``patterns``, when given, in site order) into
+    ``calls_per_run`` kernel calls (default: one a site) for token counts below the limit, none above."""
     for runs, compiles, reports in results:
         assert compiles == {"fused": 1, "plain": 1}, compiles  # one graph per range, batch and seq dynamic
         assert len(reports) == 1 and len(reports[0]) == sites, reports
         assert all(": fused (" in line for line in reports[0]), reports
+        if patterns is not None:
+            assert [line.split("fused (")[1].rstrip(")") for line in reports[0]] == patterns, reports
         for (batch, seq), diff, calls in runs:
-            assert calls == (sites if batch * seq <= LIMIT else 0), (batch, seq, calls)
+            assert calls == ((calls_per_run or sites) if batch * seq <= LIMIT else 0), (batch, seq, calls)
             assert diff < 2e-2, (batch, seq, diff)  # of the largest logit; bf16 models
 
 
@@ -66,9 +70,11 @@ def _save_hf_model(rank, world_size, arch, path):
     import transformers
 
     if rank == 0:
+        # head_dim and key/value heads only where the architecture has them (GPT-NeoX and Phi derive them).
+        heads = {} if arch in ("GPTNeoX", "Phi") else dict(num_key_value_heads=2, head_dim=16)
         config = getattr(transformers, f"{arch}Config")(
             hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=128)
+            vocab_size=256, max_position_embeddings=128, **heads)
         torch.manual_seed(0)
         getattr(transformers, f"{arch}ForCausalLM")(config).to(torch.bfloat16).save_pretrained(path)
     dist.barrier()
@@ -87,6 +93,25 @@ def test_hugging_face_tp_plan_auto(rank_pool, tmp_path, arch):
     pool.run(_save_hf_model, arch, str(tmp_path))
     # Two layers: the attention and MLP all-reduces of each, the last one into the final norm.
     _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900), sites=4)
+
+
+# Models whose block ends differ from Llama's (tpfuse.compiler.PATTERNS): Gemma 2's row-parallel embedding
+# (scaled by sqrt(hidden)) and its post-norms before each residual add; Phi-2's attention and MLP that
+# read the same LayerNorm and add both all-reduced outputs, each with its bias, to the residual (GPT-NeoX's
+# parallel residual is the same) as one all-reduce; StarCoder2's biases and LayerNorm.
+FAMILIES = {
+    "Gemma2": (5, 5, ["AllReduceScaledRMSNorm"] + ["AllReducePostNormAddRMSNorm"] * 4),
+    "Phi": (4, 2, ["TwoAllReducesBiasAddLayerNorm"] * 4),
+    "Starcoder2": (5, 5, ["AllReduceLayerNorm"] + ["AllReduceBiasAddLayerNorm"] * 4),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_hugging_face_families_with_other_block_ends(rank_pool, tmp_path, arch):
+    sites, calls, patterns = FAMILIES[arch]
+    pool = rank_pool(2)
+    pool.run(_save_hf_model, arch, str(tmp_path))
+    _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900), sites, calls, patterns)
 
 
 # --- torch parallelize_module (torchtitan's plain tensor parallelism) ----------------------------------

@@ -108,8 +108,10 @@ class FusionPass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.pattern_matcher import stable_topological_sort
 
-        sites = []
+        sites, merged = [], set()
         for node in [n for n in graph.nodes if n.op == "call_function" and n.target == ALL_REDUCE]:
+            if node in merged:  # a second branch of a site fused before: reported with it
+                continue
             shape, dtype, group_name = _describe(node)
             refused = None  # the first (longest) pattern that matched but may not fuse, and why
             for pattern in PATTERNS:
@@ -118,8 +120,11 @@ class FusionPass(CustomGraphPass):
                     continue
                 reason = pattern.extra_check(match, self._token_bound)
                 if reason is None:
+                    reports = [SiteReport(*_describe(n), True, pattern.__name__)
+                               for n in [node] + match.merged]
                     pattern.replace(graph, match)
-                    sites.append(SiteReport(shape, dtype, group_name, True, pattern.__name__))
+                    sites += reports
+                    merged.update(match.merged)
                     break
                 refused = refused or (pattern.__name__, reason)
             else:

@@ -33,7 +33,7 @@ from torch.fx import Graph, Node
 
 from tpfuse import select
 from tpfuse.comm.communicator import lookup_communicator
-from tpfuse.kernels.reference import FP8_MAX
+from tpfuse.kernels.epilogue import FP8_MAX, MIN_DYNAMIC_SCALE
 
 aten, prims = torch.ops.aten, torch.ops.prims
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
@@ -164,15 +164,37 @@ class Match:
     eps: float
     hidden: int
     residual: Node | None = None
-    scale: Node | None = None
+    scale: Node | None = None  # static fp8
     internal: list[Node] = field(default_factory=list)  # may only be used inside the match
     aliases: list[Node] = field(default_factory=list)  # views of the sum before h: may have other users
     problem: str | None = None  # the structure matched but cannot be fused (why)
+    x_scale: object = None  # a number or one-element tensor the sum is multiplied by (Gemma's embedding)
+    biases: list = field(default_factory=list)  # [H] tensors added to the sum (one a branch)
+    x_other: Node | None = None  # the second branch's all-reduce input: x + x_other is all-reduced once
+    merged: list[Node] = field(default_factory=list)  # other all-reduces this site takes in
+    sum_weight: object = None  # the post-norm's gain (Gemma)
+    norm_bias: object = None  # LayerNorm's bias
+    scales: Node | None = None  # dynamic fp8: the node of the scales
+    scale_group: int = 0  # dynamic fp8: elements per scale
 
     @property
     def tokens(self):
         """The site's token count: an int, or a sympy expression of the graph's size symbols."""
         return token_count(_val(self.h).shape)
+
+
+def _scalar(node: object) -> bool:
+    """A number, or a tensor node of one element."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return True
+    return isinstance(node, Node) and isinstance(_val(node), torch.Tensor) and _val(node).numel() == 1
+
+
+def _row_vector(node: object, hidden: int) -> bool:
+    """A tensor node that is one row of ``hidden`` for every token: a bias or a gain."""
+    val = _val(node) if isinstance(node, Node) else None
+    return (isinstance(val, torch.Tensor) and val.dim() >= 1 and static_int(val.shape[-1]) == hidden
+            and val.numel() == hidden)
 
 
 def match_rmsnorm(h: Node) -> tuple[Node, Node, float, list[Node]] | None:
@@ -189,7 +211,7 @@ def match_rmsnorm(h: Node) -> tuple[Node, Node, float, list[Node]] | None:
             mean = _only_user(p)
             if not _is(mean, aten.mean.dim) or len(mean.args) < 3 or not mean.args[2]:
                 continue
-            if list(mean.args[1]) not in ([-1], [_val(c).dim() - 1]):
+            if not _last_dim(mean.args[1], c):
                 continue
             add_eps = _only_user(mean)
             if not (_is(add_eps, aten.add.Tensor, aten.add.Scalar)
@@ -210,7 +232,7 @@ def match_rmsnorm(h: Node) -> tuple[Node, Node, float, list[Node]] | None:
                 out = _only_user(back)
                 if _is(out, aten.mul.Tensor):
                     return out, _other(out, back), float(add_eps.args[1]), internal + [back]
-            scaled = _only_user(normed)  # torch rms_norm: the weight in fp32, then cast back
+            scaled = _only_user(normed)  # torch rms_norm, Gemma: the weight in fp32, then cast back
             if _is(scaled, aten.mul.Tensor):
                 out = _convert_to(scaled, dtype)
                 if out is not None and len(scaled.users) == 1:
@@ -218,11 +240,53 @@ def match_rmsnorm(h: Node) -> tuple[Node, Node, float, list[Node]] | None:
     return None
 
 
-def match_static_fp8(y: Node) -> tuple[Node, Node, list[Node]] | None:
-    """(out, scale, internal nodes) of ``clamp(y.float() / scale, -448, 448).to(fp8)``, or None."""
-    start = _convert_to(y, torch.float32)
+def _last_dim(dims, node: Node) -> bool:
+    return list(dims) in ([-1], [_val(node).dim() - 1])
+
+
+def match_layernorm(h: Node) -> tuple[Node, Node, float, object, list[Node]] | None:
+    """(out, weight, eps, bias or None, internal nodes) of a LayerNorm of ``h`` as Inductor decomposes
+    ``nn.LayerNorm`` / ``F.layer_norm`` (``var_mean`` in fp32, weight, optional bias, cast back), or None."""
+    dtype = _val(h).dtype
+    for c in _converts_to(h, torch.float32):
+        for vm in _users(c, aten.var_mean.correction):
+            if not (vm.kwargs.get("correction") == 0 and vm.kwargs.get("keepdim") and len(vm.args) > 1
+                    and _last_dim(vm.args[1], c)):
+                continue
+            parts = {u.args[1]: u for u in vm.users if _is(u, operator.getitem)}
+            var, mean = parts.get(0), parts.get(1)
+            subs = [u for u in _users(c, aten.sub.Tensor) if u.args[:2] == (c, mean)]
+            if var is None or mean is None or len(subs) != 1 or len(mean.users) != 1:
+                continue
+            add_eps = _only_user(var)
+            if not (_is(add_eps, aten.add.Tensor, aten.add.Scalar)
+                    and isinstance(add_eps.args[1], (int, float))):
+                continue
+            rsqrt = _only_user(add_eps)
+            normed = _only_user(rsqrt) if _is(rsqrt, aten.rsqrt.default) else None
+            if not (_is(normed, aten.mul.Tensor) and set(normed.args[:2]) == {subs[0], rsqrt}):
+                continue
+            scaled = _only_user(normed)
+            if not _is(scaled, aten.mul.Tensor):
+                continue
+            internal = [c, vm, var, mean, subs[0], add_eps, rsqrt, normed, scaled]
+            bias, last = None, scaled
+            after = _only_user(scaled)
+            if _is(after, aten.add.Tensor) and after.kwargs.get("alpha", 1) == 1:
+                bias, last = _other(after, scaled), after
+                internal.append(after)
+            out = _convert_to(last, dtype) if len(last.users) == 1 else None
+            if out is not None:
+                return out, _other(scaled, normed), float(add_eps.args[1]), bias, internal
+    return None
+
+
+def match_static_fp8(y: Node, div: Node | None = None) -> tuple[Node, Node, list[Node]] | None:
+    """(out, scale, internal nodes) of ``clamp(y.float() / scale, -448, 448).to(fp8)``, or None.
+    ``div``: the division to start from, when ``y`` has other users (dynamic fp8)."""
+    start = _convert_to(y, torch.float32) if div is None else None
     start = start if start is not None and len(y.users) == 1 else y
-    div = _only_user(start)
+    div = div if div is not None else _only_user(start)
     if not _is(div, aten.div.Tensor) or div.args[0] is not start or not isinstance(div.args[1], Node):
         return None
     nodes, cur = [div], _only_user(div)
@@ -241,6 +305,82 @@ def match_static_fp8(y: Node) -> tuple[Node, Node, list[Node]] | None:
     return out, div.args[1], ([start] if start is not y else []) + nodes
 
 
+def _bias_of(node: Node, hidden: int) -> tuple[Node | None, object]:
+    """(the add, the bias) when ``node``'s only user adds a [hidden] row to it, else (None, None)."""
+    add = _only_user(node)
+    if _is(add, aten.add.Tensor) and add.kwargs.get("alpha", 1) == 1 and _row_vector(_other(add, node),
+                                                                                      hidden):
+        return add, _other(add, node)
+    return None, None
+
+
+def _branch(node: object, group_name: str, reduce_op: str, hidden: int, with_bias: bool):
+    """(all-reduce, nodes, bias) when ``node`` is another all-reduce of the same group (+ its bias, views
+    between), the second term of a sum of two; else None."""
+    nodes, bias = [], None
+    if with_bias:
+        if not (_is(node, aten.add.Tensor) and node.kwargs.get("alpha", 1) == 1):
+            return None
+        a, b = node.args[:2]
+        bias = b if _row_vector(b, hidden) else a if _row_vector(a, hidden) else None
+        if bias is None:
+            return None
+        nodes.append(node)
+        node = a if bias is b else b
+    while _is(node, *VIEWS) and len(node.users) == 1:
+        nodes.append(node)
+        node = node.args[0]
+    if not (_is(node, WAIT) and len(node.users) == 1 and static_int(_val(node).shape[-1]) == hidden):
+        return None
+    reduce = node.args[0]
+    if not (_is(reduce, ALL_REDUCE) and tuple(reduce.args[1:3]) == (reduce_op, group_name)):
+        return None
+    return reduce, nodes + [node], bias
+
+
+def match_dynamic_fp8(y: Node, hidden: int) -> tuple[Node, Node, int, list[Node]] | None:
+    """(out, scales, elements per scale, internal nodes) of dynamic fp8 in :func:`dynamic_fp8_example`'s
+    form: ``g = y.float()`` (viewed as groups or not), ``s = clamp(amax(|g|, -1) / 448, min)``,
+    ``out = clamp(g / s, -448, 448).to(fp8)`` (viewed back), ``scales = s.squeeze(-1)``; or None."""
+    start = _convert_to(y, torch.float32) if len(y.users) == 1 else None
+    if start is None:
+        return None
+    nodes, grouped, group = [start], start, hidden
+    view = _only_user(start)
+    if _is(view, *VIEWS) and len(_val(view).shape) == len(_val(start).shape) + 1:
+        group = static_int(_val(view).shape[-1])
+        nodes.append(view)
+        grouped = view
+    absolute = _users(grouped, aten.abs.default)
+    amax = _only_user(absolute[0]) if len(absolute) == 1 else None
+    if not (_is(amax, aten.amax.default) and len(amax.args) > 2 and amax.args[2]
+            and _last_dim(amax.args[1], grouped)):
+        return None
+    to_unit = _only_user(amax)
+    if not (_is(to_unit, aten.div.Tensor) and to_unit.args[1] == FP8_MAX):
+        return None
+    floor = _only_user(to_unit)
+    if not (_is(floor, aten.clamp_min.default, aten.clamp.default) and floor.args[1] == MIN_DYNAMIC_SCALE):
+        return None
+    nodes += [absolute[0], amax, to_unit, floor]
+    divs = [u for u in _users(floor, aten.div.Tensor) if u.args[:2] == (grouped, floor)]
+    outs = [u for u in floor.users if u not in divs]
+    if len(divs) != 1 or len(outs) != 1 or not _is(outs[0], *VIEWS):
+        return None
+    quant = match_static_fp8(grouped, divs[0])
+    if quant is None:
+        return None
+    out, _, quant_nodes = quant
+    nodes += quant_nodes
+    back = _only_user(out)
+    if grouped is not start:  # the groups viewed back as rows
+        if not (_is(back, *VIEWS) and static_int(_val(back).shape[-1]) == hidden):
+            return None
+        nodes.append(out)
+        out = back
+    return out, outs[0], group, nodes
+
+
 def _residual_problem(residual: object, add: Node, x: torch.Tensor, hidden: int) -> str | None:
     """Why the other operand of the add is not a residual the op can take (None when it is)."""
     if not isinstance(residual, Node) or not isinstance(_val(residual), torch.Tensor):
@@ -255,10 +395,28 @@ def _residual_problem(residual: object, add: Node, x: torch.Tensor, hidden: int)
 
 
 class FusionPattern:
-    """Base of the pattern classes; subclasses set ``residual`` and ``quant``."""
+    """Base of the pattern classes: a subclass says which steps its site has, each one required.
 
+    In the order they apply to the all-reduced sum: ``scale`` (multiplied by a number: Gemma's
+    embedding), ``bias`` (a row-parallel layer's bias, in every branch), ``branches`` (2: the sum of
+    two all-reduces of the same group, Phi / GPT-NeoX's parallel attention and MLP), ``sum_norm``
+    (an RMSNorm of the sum before the residual add: Gemma 2/3), ``residual``, then RMSNorm or
+    ``layer_norm``, then ``quant``: None, "static" (one fp8 scale) or "dynamic" (per token or group).
+    """
+
+    scale: bool = False
+    bias: bool = False
+    branches: int = 1
+    sum_norm: bool = False
     residual: bool = False
-    quant: bool = False
+    layer_norm: bool = False
+    quant: str | None = None
+
+    @classmethod
+    def steps(cls) -> int:
+        """How many steps the pattern has: longer patterns are tried first."""
+        return (cls.scale + cls.bias + (cls.branches - 1) + cls.sum_norm + cls.residual + cls.layer_norm
+                + (cls.quant is not None))
 
     @classmethod
     def search(cls, all_reduce: Node) -> Match | None:
@@ -272,35 +430,90 @@ class FusionPattern:
         if hidden is None:
             return None
         chain = _row_views(wait, hidden)
-        internal, aliases, residual, problem = [all_reduce], [], None, None
+        m = Match(all_reduce, x, group_name, reduce_op, chain[-1], chain[-1], None, 0.0, hidden)
+        steps = list(chain)  # nodes from the sum to h
+
+        def follow(node: Node) -> Node:  # the views after a step belong to it
+            views = _row_views(node, hidden)
+            steps.extend(views)
+            return views[-1]
+
+        cur = chain[-1]
+        if cls.scale:
+            mul = _only_user(cur)
+            if not (_is(mul, aten.mul.Tensor) and _scalar(_other(mul, cur))):
+                return None
+            m.x_scale = _other(mul, cur)
+            cur = follow(mul)
+        if cls.bias:
+            cur, bias = _bias_of(cur, hidden)
+            if cur is None:
+                return None
+            m.biases.append(bias)
+            cur = follow(cur)
+        if cls.branches == 2:
+            add = _only_user(cur)
+            if not (_is(add, aten.add.Tensor) and add.kwargs.get("alpha", 1) == 1):
+                return None
+            branch = _branch(_other(add, cur), group_name, reduce_op, hidden, cls.bias)
+            if branch is None:
+                return None
+            other_reduce, nodes, bias = branch
+            m.x_other, m.merged = other_reduce.args[0], [other_reduce]
+            m.biases += [bias] if bias is not None else []
+            m.internal += nodes
+            cur = follow(add)
+        if cls.sum_norm:
+            norm = match_rmsnorm(cur)
+            if norm is None:
+                return None
+            out, m.sum_weight, sum_eps, nodes = norm
+            steps += nodes + [out]
+            cur = follow(out)
         if cls.residual:
             # The pre-add sum may have no other user (the op cannot provide it): extra_check says so.
-            adds = [u for u in chain[-1].users if _is(u, aten.add.Tensor) and u.kwargs.get("alpha", 1) == 1]
+            adds = [u for u in cur.users if _is(u, aten.add.Tensor) and u.kwargs.get("alpha", 1) == 1]
             if len(adds) != 1:
                 return None
-            add = adds[0]
-            residual = _other(add, chain[-1])
-            problem = _residual_problem(residual, add, _val(x), hidden)
-            internal += chain
-            h = add
-            norm_input = _row_views(add, hidden)[-1]
+            m.residual = _other(adds[0], cur)
+            m.problem = _residual_problem(m.residual, adds[0], _val(x), hidden)
+            steps.append(adds[0])
+            cur = adds[0]
+        m.h = cur
+        if steps[-1] is chain[-1]:  # h is the sum itself: the views before it are the sum's aliases
+            m.aliases = chain[:-1]
         else:
-            h = norm_input = chain[-1]
-            aliases = chain[:-1]
-        norm = match_rmsnorm(norm_input)
-        if norm is None:
-            return None
-        out, weight, eps, norm_nodes = norm
-        scale = None
-        if cls.quant:
+            m.internal += [n for n in steps if n is not cur]
+        norm_input = _row_views(cur, hidden)[-1]
+        if cls.layer_norm:
+            norm = match_layernorm(norm_input)
+            if norm is None:
+                return None
+            out, m.weight, m.eps, m.norm_bias, nodes = norm
+        else:
+            norm = match_rmsnorm(norm_input)
+            if norm is None:
+                return None
+            out, m.weight, m.eps, nodes = norm
+        if cls.sum_norm and sum_eps != m.eps:
+            m.problem = m.problem or f"the post-norm's eps {sum_eps} differs from the norm's {m.eps}"
+        if cls.quant == "static":
             quant = match_static_fp8(out)
             if quant is None:
                 return None
-            q_out, scale, quant_nodes = quant
-            norm_nodes = norm_nodes + [out] + quant_nodes
+            q_out, m.scale, quant_nodes = quant
+            nodes = nodes + [out] + quant_nodes
             out = q_out
-        return Match(all_reduce, x, group_name, reduce_op, h, out, weight, eps, hidden, residual, scale,
-                     internal + norm_nodes, aliases, problem)
+        elif cls.quant == "dynamic":
+            quant = match_dynamic_fp8(out, hidden)
+            if quant is None:
+                return None
+            q_out, m.scales, m.scale_group, quant_nodes = quant
+            nodes = nodes + [out] + quant_nodes
+            out = q_out
+        m.out = out
+        m.internal = [all_reduce] + m.merged + m.internal + nodes
+        return m
 
     @classmethod
     def extra_check(cls, m: Match, token_bound) -> str | None:
@@ -317,20 +530,31 @@ class FusionPattern:
             return reason
         if _numel(x.shape) != _numel(_val(m.h).shape):
             return f"the all-reduced {tuple(x.shape)} is broadcast by the add to {tuple(_val(m.h).shape)}"
-        w = _val(m.weight) if isinstance(m.weight, Node) else None
-        if w is None or tuple(w.shape) != (m.hidden,) or w.dtype not in (x.dtype, torch.float32):
-            return "the norm weight is not a [hidden] tensor of the input's dtype or float32"
+        if m.x_other is not None and (_val(m.x_other).dtype != x.dtype
+                                      or _numel(_val(m.x_other).shape) != _numel(x.shape)):
+            return "the two all-reduced branches differ in dtype or size"
+        gains = [("the norm weight", m.weight), ("the post-norm weight", m.sum_weight),
+                 ("the LayerNorm bias", m.norm_bias)] + [("the bias", b) for b in m.biases]
+        for what, node in gains:
+            if node is None and what != "the norm weight":
+                continue
+            w = _val(node) if isinstance(node, Node) else None
+            if w is None or tuple(w.shape) != (m.hidden,) or w.dtype not in (x.dtype, torch.float32):
+                return f"{what} is not a [hidden] tensor of the input's dtype or float32"
+        if m.x_scale is not None and isinstance(m.x_scale, Node) and not _val(m.x_scale).is_floating_point():
+            return "the sum is multiplied by an integer tensor"
         if m.scale is not None and (_val(m.scale) is None or _val(m.scale).dtype != torch.float32
                                     or _val(m.scale).numel() != 1):
             return "the fp8 scale is not a float32 tensor of one element"
         if _val(m.out).dtype != (torch.float8_e4m3fn if cls.quant else x.dtype):
             return "the norm's result dtype differs from the input's (e.g. an fp32 weight multiplied last)"
-        allowed = set(m.internal) | {m.out, m.h}
+        allowed = set(m.internal) | {m.out, m.h} | ({m.scales} if m.scales is not None else set())
         for node in m.internal:
             if any(u not in allowed for u in node.users):
                 what = "the pre-add sum" if node.target in (WAIT,) + VIEWS else "an intermediate value"
                 return f"{what} of the pattern has users outside it"
-        for node in [m.out, m.h] + m.aliases:
+        outputs = [m.out, m.h] + m.aliases + ([m.scales] if m.scales is not None else [])
+        for node in outputs:
             if any(static_int(s) is None and _size_source(m.all_reduce.graph, s, m) is None
                    for s in _val(node).shape):
                 return f"no input of the graph carries the sizes of {tuple(_val(node).shape)}"
@@ -370,12 +594,28 @@ class FusionPattern:
                 args.append(node if dim is None else call(aten.sym_size.int, node, dim))
             return args
 
-        op = torch.ops.tpfuse.allreduce_add_rmsnorm.default
         with graph.inserting_before(m.out):
             x2 = call(aten.reshape.default, m.x, [-1, hidden])
+            if m.x_other is not None:  # one all-reduce of both branches
+                x2 = call(aten.add.Tensor, x2, call(aten.reshape.default, m.x_other, [-1, hidden]))
+            if m.x_scale is not None:  # scaling each rank's part scales the sum
+                x2 = call(aten.mul.Tensor, x2, m.x_scale)
+            bias = None
+            for b in m.biases:  # several branches' biases: summed once, in fp32
+                b = call(prims.convert_element_type.default, b, torch.float32) if len(m.biases) > 1 else b
+                bias = b if bias is None else call(aten.add.Tensor, bias, b)
             r2 = call(aten.reshape.default, m.residual, [-1, hidden]) if m.residual is not None else None
-            fused = call(op, x2, r2, m.weight, m.eps, m.group_name, m.scale)
-            y2, h2 = call(operator.getitem, fused, 0), call(operator.getitem, fused, 1)
+            extras = (bias, m.sum_weight, cls.layer_norm, m.norm_bias)
+            if cls.quant == "dynamic":
+                op = torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default
+                fused = call(op, x2, r2, m.weight, m.eps, m.group_name, m.scale_group, *extras)
+                y2, scales, h2 = (call(operator.getitem, fused, i) for i in range(3))
+                scales = call(aten.reshape.default, scales, shape_args(_val(m.scales).shape))
+                m.scales.replace_all_uses_with(scales)
+            else:
+                op = torch.ops.tpfuse.allreduce_add_rmsnorm.default
+                fused = call(op, x2, r2, m.weight, m.eps, m.group_name, m.scale, *extras)
+                y2, h2 = call(operator.getitem, fused, 0), call(operator.getitem, fused, 1)
             y = call(aten.reshape.default, y2, shape_args(_val(m.out).shape))
             h = call(aten.reshape.default, h2, shape_args(_val(m.h).shape))
             for alias in m.aliases:  # views of the sum that others read: the same rows of h
@@ -384,26 +624,66 @@ class FusionPattern:
         m.out.replace_all_uses_with(y)
         m.h.replace_all_uses_with(h)
         order = {node: i for i, node in enumerate(graph.nodes)}
-        gone = set(m.internal) | set(m.aliases) | {m.h, m.out}
+        gone = set(m.internal) | set(m.aliases) | {m.h, m.out} | ({m.scales} - {None})
         for node in sorted(gone, key=order.__getitem__, reverse=True):
             if not node.users:
                 graph.erase_node(node)
 
     @classmethod
-    def example(cls, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                scale: torch.Tensor | None = None, group=None):
-        """The unfused pattern in plain torch (functional all-reduce, HF-style RMSNorm)."""
+    def example(cls, inputs: dict, eps: float, group=None):
+        """The unfused pattern in plain torch (functional all-reduce, HF-style norms), from ``inputs``:
+        ``x`` (and ``x_other`` with two branches), ``residual``, ``weight``, and where the pattern has
+        them ``x_scale``, ``bias`` (and ``bias_other``), ``sum_weight``, ``norm_bias``, ``scale`` (static
+        fp8), ``scale_group`` (dynamic fp8). Returns ``(y, h)``, or ``(y, scales, h)`` for dynamic fp8."""
         import torch.distributed as dist
         import torch.distributed._functional_collectives as fc
 
-        h = fc.all_reduce(x, "sum", group or dist.group.WORLD)
+        group = group or dist.group.WORLD
+        x = inputs["x"]
+
+        def branch(part, bias):
+            s = fc.all_reduce(part, "sum", group)
+            if cls.scale:
+                s = s * inputs["x_scale"]
+            return s + bias if cls.bias else s
+
+        h = branch(x, inputs.get("bias"))
+        if cls.branches == 2:
+            h = h + branch(inputs["x_other"], inputs.get("bias_other"))
+        if cls.sum_norm:
+            h = _example_rmsnorm(h, inputs["sum_weight"], eps, gemma=True)
         if cls.residual:
-            h = h + residual
-        c = h.float()
-        y = (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-        if cls.quant:
-            y = (y.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            h = h + inputs["residual"]
+        if cls.layer_norm:
+            y = torch.nn.functional.layer_norm(h, (h.shape[-1],), inputs["weight"], inputs.get("norm_bias"),
+                                               eps)
+        else:
+            y = _example_rmsnorm(h, inputs["weight"], eps, gemma=cls.sum_norm)
+        if cls.quant == "static":
+            y = (y.float() / inputs["scale"]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        elif cls.quant == "dynamic":
+            y, scales = dynamic_fp8_example(y, inputs["scale_group"])
+            return y, scales, h
         return y, h
+
+
+def _example_rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    """HF Llama's RMSNorm (cast back, then the weight), or Gemma's (times ``1 + weight`` in fp32, then cast
+    back)."""
+    c = h.float()
+    normed = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (normed * (1.0 + weight.float())).to(h.dtype)
+    return normed.to(h.dtype) * weight
+
+
+def dynamic_fp8_example(y: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic fp8 of ``y`` [..., H] as :func:`match_dynamic_fp8` finds it: (y8 [..., H], scales
+    [..., H // group]); a group of H is a scale per token."""
+    g = y.float().unflatten(-1, (-1, group))
+    scales = (g.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_DYNAMIC_SCALE)
+    q = (g / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), scales.squeeze(-1)
 
 
 def _size_source(graph: Graph, size: torch.SymInt, m: Match) -> tuple[Node, int | None] | None:
@@ -427,7 +707,7 @@ class AllReduceRMSNorm(FusionPattern):
 
 
 class AllReduceAddRMSNorm(FusionPattern):
-    """all-reduce -> + residual -> RMSNorm, returning the norm and the new residual."""
+    """all-reduce -> + residual -> RMSNorm, returning the norm and the new residual (Llama, Qwen, Mistral)."""
 
     residual = True
 
@@ -435,18 +715,97 @@ class AllReduceAddRMSNorm(FusionPattern):
 class AllReduceRMSNormQuant(FusionPattern):
     """all-reduce -> RMSNorm -> static fp8."""
 
-    quant = True
+    quant = "static"
 
 
 class AllReduceAddRMSNormQuant(FusionPattern):
     """all-reduce -> + residual -> RMSNorm -> static fp8."""
 
     residual = True
-    quant = True
+    quant = "static"
 
 
-# Longest first: a site that continues into a residual add or a quantisation takes the larger pattern.
-PATTERNS = [AllReduceAddRMSNormQuant, AllReduceAddRMSNorm, AllReduceRMSNormQuant, AllReduceRMSNorm]
+class AllReduceAddRMSNormDynamicQuant(FusionPattern):
+    """all-reduce -> + residual -> RMSNorm -> fp8 with a scale per token or per group (DeepSeek-V3 /
+    Llama-4 fp8 checkpoints)."""
+
+    residual = True
+    quant = "dynamic"
+
+
+class AllReduceRMSNormDynamicQuant(FusionPattern):
+    """all-reduce -> RMSNorm -> fp8 with a scale per token or per group."""
+
+    quant = "dynamic"
+
+
+class AllReducePostNormAddRMSNorm(FusionPattern):
+    """all-reduce -> RMSNorm -> + residual -> RMSNorm: Gemma 2/3's post-norm and the next pre-norm."""
+
+    sum_norm = True
+    residual = True
+
+
+class AllReduceScaledRMSNorm(FusionPattern):
+    """all-reduce -> * a number -> RMSNorm: Gemma's row-parallel embedding, scaled by sqrt(hidden)."""
+
+    scale = True
+
+
+class AllReduceBiasAddRMSNorm(FusionPattern):
+    """all-reduce -> + bias -> + residual -> RMSNorm: a row-parallel layer with a bias (HF adds it after
+    the all-reduce)."""
+
+    bias = True
+    residual = True
+
+
+class AllReduceLayerNorm(FusionPattern):
+    """all-reduce -> LayerNorm (StarCoder2's row-parallel embedding into the first norm)."""
+
+    layer_norm = True
+
+
+class AllReduceAddLayerNorm(FusionPattern):
+    """all-reduce -> + residual -> LayerNorm."""
+
+    residual = True
+    layer_norm = True
+
+
+class AllReduceBiasAddLayerNorm(FusionPattern):
+    """all-reduce -> + bias -> + residual -> LayerNorm (StarCoder2, GPT-NeoX without parallel residual)."""
+
+    bias = True
+    residual = True
+    layer_norm = True
+
+
+class TwoAllReducesBiasAddLayerNorm(FusionPattern):
+    """(all-reduce + bias) + (all-reduce + bias) -> + residual -> LayerNorm: Phi-2 and GPT-NeoX's parallel
+    attention and MLP, as one all-reduce of their sum."""
+
+    bias = True
+    branches = 2
+    residual = True
+    layer_norm = True
+
+
+class TwoAllReducesAddRMSNorm(FusionPattern):
+    """all-reduce + all-reduce -> + residual -> RMSNorm: two branches of one block (routed and shared
+    experts), as one all-reduce of their sum."""
+
+    branches = 2
+    residual = True
+
+
+# Longest first: a site that continues into more steps takes the larger pattern.
+PATTERNS = sorted([
+    AllReduceRMSNorm, AllReduceAddRMSNorm, AllReduceRMSNormQuant, AllReduceAddRMSNormQuant,
+    AllReduceRMSNormDynamicQuant, AllReduceAddRMSNormDynamicQuant, AllReducePostNormAddRMSNorm,
+    AllReduceScaledRMSNorm, AllReduceBiasAddRMSNorm, AllReduceLayerNorm, AllReduceAddLayerNorm,
+    AllReduceBiasAddLayerNorm, TwoAllReducesBiasAddLayerNorm, TwoAllReducesAddRMSNorm,
+], key=lambda pattern: -pattern.steps())
 
 
 def unmatched_reason(all_reduce: Node) -> str:
@@ -462,6 +821,7 @@ def unmatched_reason(all_reduce: Node) -> str:
         return ("the all-reduce's result leaves the compiled graph before its add and norm (a graph break "
                 "between them? torch._dynamo.explain(model)(...) lists the breaks)")
     users = [u.target for u in end.users]
-    return ("no RMSNorm (or residual add then RMSNorm) follows the all-reduce; its result goes to "
+    return ("no norm follows the all-reduce as a pattern has it (RMSNorm or LayerNorm, after a residual add, "
+            "a bias or a post-norm: tpfuse.compiler.PATTERNS); its result goes to "
             f"{', '.join(str(getattr(t, '__name__', t)) for t in users) or 'nothing'} (if the model has "
             "a norm here: is eps a graph input? tpfuse.compile traces with specialize_float=True)")
