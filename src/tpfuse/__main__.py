@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         "flashinfer, floor, launch (default tpfuse,nccl,symm_mem,flashinfer,floor,launch); e2e: unfused, "
         "tpfuse, flashinfer",
     )
+    bench.add_argument("--epilogue", default="plain",
+                       help="kernel: the block end every provider computes: plain, bias, gemma, layernorm, "
+                       "two_branches, fp8_token, fp8_group128 (tpfuse.bench.providers.EPILOGUES)")
     bench.add_argument("--client", default="tpfuse", choices=["tpfuse", "hf"],
                        help="e2e: our TP Llama, or Hugging Face's LlamaForCausalLM under tp_plan='auto'")
     bench.add_argument("--preset", default="llama-3-8b", help="e2e: model preset")
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     from tpfuse.bench.kernel import run_kernel_bench
 
     providers = args.providers or "tpfuse,nccl,symm_mem,flashinfer,floor,launch"
-    return run_kernel_bench(_ints(args.hidden), _ints(args.tokens), providers.split(","), args.out)
+    return run_kernel_bench(_ints(args.hidden), _ints(args.tokens), providers.split(","), args.out,
+                            args.epilogue)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Kernel benchmark: tpfuse's fused op beside NCCL, torch symmetric memory and FlashInfer.
 
-Every provider (:mod:`tpfuse.bench.providers`) computes the same result from the same inputs, is
+Every provider (:mod:`tpfuse.bench.providers`) computes the same result from the same inputs (the plain
+op, or with ``--epilogue`` another block end: :data:`tpfuse.bench.providers.EPILOGUES`), is
 checked against float64 once, then timed as CUDA-graph replays in the same run. Prints microseconds,
 the effective bandwidth (one rank's bytes of x over the time) beside the measured peer copy
 bandwidth, and the ratio FlashInfer one-shot / tpfuse; writes kernel.csv and kernel.png.
@@ -8,25 +9,47 @@ bandwidth, and the ratio FlashInfer one-shot / tpfuse; writes kernel.csv and ker
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 import torch.distributed as dist
 
 from tpfuse.bench.output import pyplot, write_csv
-from tpfuse.bench.providers import EPS, FLOOR_PROVIDERS, Providers, peer_copy_gbps
+from tpfuse.bench.providers import EPS, FLOOR_PROVIDERS, Providers, epilogue_case, peer_copy_gbps
 from tpfuse.bench.timing import graph_replay_us
 
 BASELINES = ("nccl+norm", "symm_oneshot+norm", "fi_oneshot", "fi_twoshot")
 
 
-def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref).norm() / ref.norm()).item()
-
-
-def bench_rank(hiddens: list[int], tokens: list[int], providers: list[str]) -> tuple[list[dict], float]:
+def bench_inputs(epilogue: str, n: int, hidden: int, world: int, rank: int, device: torch.device):
+    """(case, this rank's inputs on ``device``, the float64 y on ``device``) of one size of ``--epilogue``."""
     from tpfuse.kernels.reference import fused_reference_float64
 
+    case = epilogue_case(epilogue, n, hidden, seed=1000 * n + hidden)
+    inputs = case.inputs(world)  # every rank's x, for the float64 reference
+    xs = inputs["xs"]
+    if epilogue == "two_branches":
+        others = dataclasses.replace(case, seed=case.seed + 1).inputs(world)["xs"]
+        inputs["x_other"] = others[rank]
+        xs = [x + other for x, other in zip(xs, others)]  # what the model's two all-reduces sum
+    y_ref, _ = fused_reference_float64(xs, inputs["residual"], inputs["weight"], EPS, None,
+                                       case.epilogue(inputs))
+    on_device = {k: [t.to(device) for t in v] if k == "xs" else v.to(device) if torch.is_tensor(v) else v
+                 for k, v in inputs.items()}
+    return case, on_device, y_ref.to(device)
+
+
+def relative_error(case, result: tuple[torch.Tensor, torch.Tensor | None], y_ref: torch.Tensor) -> float:
+    """|y - y_ref| / |y_ref| of a provider's ``(y, scales)``; a dynamic fp8 y counts as ``y8 * scale``."""
+    y, scales = result
+    if scales is not None:
+        y = (y.float().unflatten(-1, (-1, case.scale_group)) * scales.unsqueeze(-1)).flatten(-2)
+    return ((y.double() - y_ref).norm() / y_ref.norm()).item()
+
+
+def bench_rank(hiddens: list[int], tokens: list[int], providers: list[str], epilogue: str = "plain"
+               ) -> tuple[list[dict], float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     max_t, max_h = max(tokens), max(hiddens)
@@ -36,27 +59,19 @@ def bench_rank(hiddens: list[int], tokens: list[int], providers: list[str]) -> t
         print(f"peer copy bandwidth ({max_t * max_h * 2 >> 20} MiB): {ceiling:.1f} GB/s", flush=True)
     rows = []
     for hidden in hiddens:
-        weight_gen = torch.Generator().manual_seed(hidden)
-        weight = (1 + 0.5 * torch.randn(hidden, generator=weight_gen)).bfloat16().to(dev)
         for n in tokens:
-            gens = [torch.Generator().manual_seed(1000 * n + hidden + r) for r in range(world + 1)]
-            xs = [torch.randn(n, hidden, generator=g).bfloat16() for g in gens[:world]]
-            residual = torch.randn(n, hidden, generator=gens[world]).bfloat16().to(dev)
-            x = xs[rank].to(dev)
-            y_ref, _ = fused_reference_float64(xs, residual.cpu(), weight.cpu(), EPS)
-            y_ref = y_ref.to(dev)
+            case, on_device, y_ref = bench_inputs(epilogue, n, hidden, world, rank, dev)
             row = {"hidden": hidden, "tokens": n, "bytes_per_rank": n * hidden * 2}
             if "tpfuse" in providers:
-                row["algorithm"] = resources.comm.choose_algorithm(n, hidden, x.dtype)
-            for name, call in resources.calls(x, residual, weight).items():
+                row["algorithm"] = resources.comm.choose_algorithm(n, hidden, torch.bfloat16,
+                                                                   epilogue=case.epilogue(on_device))
+            for name, call in resources.calls(case, on_device, epilogue == "two_branches").items():
                 if name in FLOOR_PROVIDERS:  # a bound, not the op: nothing to check
                     row[name] = graph_replay_us(call)
                     continue
-                y = call()
+                y, _ = call()
                 y.fill_(float("nan"))  # poison, then check what one call writes
-                y = call()
-                torch.cuda.synchronize()
-                row[f"{name}_err"] = _rel_err(y, y_ref)
+                row[f"{name}_err"] = relative_error(case, call(), y_ref)
                 row[name] = graph_replay_us(call)
                 row[f"{name}_GBps"] = row["bytes_per_rank"] / row[name] / 1e3
             if "fi_oneshot" in row and "tpfuse" in row:
@@ -141,12 +156,13 @@ def finish_torchrun() -> None:
     dist.destroy_process_group()
 
 
-def run_kernel_bench(hiddens: list[int], tokens: list[int], providers: list[str], out_dir: str) -> int:
+def run_kernel_bench(hiddens: list[int], tokens: list[int], providers: list[str], out_dir: str,
+                     epilogue: str = "plain") -> int:
     """Entry point of ``python -m tpfuse bench kernel``; run it under torchrun, one process a GPU."""
     if not init_torchrun():
         return 2
     try:
-        rows, ceiling = bench_rank(hiddens, tokens, providers)
+        rows, ceiling = bench_rank(hiddens, tokens, providers, epilogue)
         if dist.get_rank() == 0:
             write_outputs(rows, ceiling, out_dir)
     finally:

@@ -1,6 +1,8 @@
 """What the benchmarks and ``tune`` time: tpfuse's algorithms and the baselines, over one set of inputs.
 
-Every provider computes y = RMSNorm(allreduce(x) + residual) * weight and h from the same inputs:
+Every provider computes y = RMSNorm(allreduce(x) + residual) * weight and h from the same inputs, with
+the optional steps of an epilogue (:data:`EPILOGUES`: a bias, Gemma's post-norm, LayerNorm, two summed
+all-reduces, dynamic fp8) where it has them:
 
 - ``tpfuse``: the op as users call it (the algorithm the table picks);
 - ``tpfuse:oneshot`` / ``tpfuse:twoshot``: one algorithm, forced;
@@ -8,7 +10,7 @@ Every provider computes y = RMSNorm(allreduce(x) + residual) * weight and h from
   (:data:`TWOSHOT_GROUPS`), docs/kernel-notes.md;
 - ``nccl+norm``: the group's all-reduce plus a compiled add + RMSNorm (the unfused model);
 - ``symm_oneshot+norm``: torch symmetric memory's one-shot all-reduce plus the same norm;
-- ``fi_oneshot`` / ``fi_twoshot``: FlashInfer's fused kernel, when importable;
+- ``fi_oneshot`` / ``fi_twoshot``: FlashInfer's fused kernel, when importable (plain epilogue only);
 - ``floor`` / ``launch``: no op, the bounds of a one-token call (one exchange with every peer; an
   empty kernel), ``tpfuse.bench.floor``; they return None.
 """
@@ -37,6 +39,29 @@ ONESHOT_VARIANTS = {
 # Two-shot variants "tpfuse:<name>": rows a program scatters ahead of the ones it reduces and gathers
 # (the default is twoshot.GROUP_ROWS; 0 is twoshot.ALL_ROWS, one group of all of a program's rows).
 TWOSHOT_GROUPS = {"twoshot_all_rows": 0, "twoshot_g2": 2, "twoshot_g8": 8}
+
+#: ``bench kernel --epilogue``: the block ends of real models (``tpfuse.testing.cases.Case`` fields; a
+#: scale_group of -1 is one scale a token). "two_branches" all-reduces two inputs: the baselines twice,
+#: tpfuse once, their sum (Phi-2 / GPT-NeoX's parallel attention and MLP).
+EPILOGUES = {
+    "plain": {},
+    "bias": dict(bias=True),  # StarCoder2 (with LayerNorm), HF row-parallel layers with a bias
+    "gemma": dict(sum_norm=True),  # Gemma 2/3: post-norm, residual add, pre-norm
+    "layernorm": dict(bias=True, layer_norm=True, norm_bias=True),  # StarCoder2, GPT-NeoX
+    "two_branches": dict(bias=True, layer_norm=True, norm_bias=True),  # Phi-2
+    "fp8_token": dict(scale_group=-1),
+    "fp8_group128": dict(scale_group=128),
+}
+
+
+def epilogue_case(name: str, tokens: int, hidden: int, seed: int = 0):
+    """The :class:`tpfuse.testing.cases.Case` of ``bench kernel --epilogue name`` at one size."""
+    from tpfuse.testing.cases import Case
+
+    fields = dict(EPILOGUES[name])
+    if fields.get("scale_group") == -1:
+        fields["scale_group"] = hidden
+    return Case(tokens, hidden, seed=seed, **fields)
 
 
 class Providers:
@@ -84,31 +109,54 @@ class Providers:
             if resource is not None:
                 resource.release()
 
-    def calls(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
-    ) -> dict[str, Callable[[], torch.Tensor]]:
-        """name -> a function that runs that provider once and returns its y (outputs preallocated)."""
+    def calls(self, case, inputs: dict, two_branches: bool = False
+              ) -> dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor | None]]]:
+        """name -> a function that runs that provider once and returns its ``(y, scales)`` (scales: dynamic
+        fp8 only; outputs preallocated where the API allows). ``case`` and ``inputs``: a
+        :class:`tpfuse.testing.cases.Case` and its inputs on this rank's device; with ``two_branches``
+        ``inputs["x_other"]`` is all-reduced too and added."""
         import tpfuse
         from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
         from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
 
+        x, residual, weight = inputs["xs"][self.rank], inputs["residual"], inputs["weight"]
+        x_other = inputs["x_other"] if two_branches else None
         n, hidden = x.shape
         comm = self.comm
-        y, h = torch.empty_like(x), torch.empty_like(x)
-        out: dict[str, Callable[[], torch.Tensor]] = {}
+        dynamic = case.scale_group > 0
+        y = torch.empty(x.shape, dtype=torch.float8_e4m3fn if dynamic else x.dtype, device=x.device)
+        h = torch.empty_like(x)
+        scales = torch.empty((n, hidden // case.scale_group), device=x.device) if dynamic else None
+        epilogue = case.epilogue(inputs, scales)
+        extras = dict(bias=epilogue.bias, sum_weight=epilogue.sum_weight, layer_norm=epilogue.layer_norm,
+                      norm_bias=epilogue.norm_bias)
+        out: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor | None]]] = {}
 
         def norm(reduced):
-            return self._norm(reduced, residual, weight, EPS)[0]
+            y_ref, _, scales_ref = self._norm(reduced, residual, weight, EPS, None, None, epilogue)
+            return y_ref, scales_ref
+
+        def our_input():  # the fused model all-reduces the sum of both branches once
+            return x if x_other is None else x + x_other
 
         def ours():
-            return tpfuse.allreduce_add_rmsnorm(x, residual, weight, EPS, out=y, residual_out=h)[0]
+            if dynamic:
+                y8, s, _ = tpfuse.allreduce_add_rmsnorm_dynamic_fp8(our_input(), residual, weight, EPS,
+                                                                    scale_group=case.scale_group, **extras)
+                return y8, s
+            return tpfuse.allreduce_add_rmsnorm(our_input(), residual, weight, EPS, out=y, residual_out=h,
+                                                **extras)[0], None
 
         def launcher(launch, **kwargs):
             def call():
-                launch(comm.fused.launch, x, residual, weight, EPS, y, h, **kwargs)
-                return y
+                launch(comm.fused.launch, our_input(), residual, weight, EPS, y, h, epilogue=epilogue,
+                       **kwargs)
+                return y, scales
 
             return call
+
+        def all_reduced(reduce):  # a baseline all-reduces each branch
+            return reduce(x) if x_other is None else reduce(x) + reduce(x_other)
 
         for name in self.requested:
             if name == "tpfuse":
@@ -126,23 +174,23 @@ class Providers:
                     out[name] = launcher(oneshot_allreduce_add_rmsnorm, variant=variant)
             elif name == "nccl":
 
-                def nccl():
-                    reduced = x.clone()
+                def nccl_all_reduce(part):
+                    reduced = part.clone()
                     dist.all_reduce(reduced)
-                    return norm(reduced)
+                    return reduced
 
-                out["nccl+norm"] = nccl
+                out["nccl+norm"] = lambda: norm(all_reduced(nccl_all_reduce))
             elif name == "symm_mem":
 
-                def symm_oneshot():
+                def symm_all_reduce(part):
                     buf = self.symm_buf[: n * hidden].view(n, hidden)
-                    buf.copy_(x)
-                    return norm(torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group_name))
+                    buf.copy_(part)
+                    return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group_name)
 
-                out["symm_oneshot+norm"] = symm_oneshot
+                out["symm_oneshot+norm"] = lambda: norm(all_reduced(symm_all_reduce))
             elif name in FLOOR_PROVIDERS:
-                out[name] = lambda kernel=getattr(self.floor, name): kernel(hidden)
-            elif name == "flashinfer" and self.fi is not None:
+                out[name] = lambda kernel=getattr(self.floor, name): (kernel(hidden), None)
+            elif name == "flashinfer" and self.fi is not None and epilogue.plain and x_other is None:
                 fi_y, fi_h = torch.empty_like(x), torch.empty_like(x)
                 for label, algorithm in (("fi_oneshot", "oneshot"), ("fi_twoshot", "twoshot")):
                     if algorithm == "twoshot" and n <= self.world:
@@ -150,7 +198,7 @@ class Providers:
 
                     def fi_call(algorithm=algorithm):
                         self.fi.run(algorithm, x, residual, weight, EPS, fi_y, fi_h)
-                        return fi_y
+                        return fi_y, None
 
                     out[label] = fi_call
         return out

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from tpfuse import select
 from tpfuse.bench.kernel import finish_torchrun, init_torchrun
-from tpfuse.bench.providers import Providers
+from tpfuse.bench.providers import Providers, epilogue_case
 from tpfuse.bench.timing import graph_replay_us, progress
 
 PROVIDERS = ["tpfuse:oneshot", "tpfuse:twoshot", "nccl"]
@@ -66,10 +66,12 @@ def tune_rank(hiddens: list[int], tokens: list[int]) -> dict[int, dict[int, dict
             if rank == 0:
                 progress(done, total, f"tune: hidden {hidden}, {n} tokens")
             x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16)
-            residual = torch.randn_like(x)
+            # The plain op; only this rank's x is made (the others' are never read here).
+            inputs = dict(xs=[x] * world, residual=torch.randn_like(x), weight=weight, quant_scale=None,
+                          bias=None, sum_weight=None, norm_bias=None)
             times[hidden][n] = {
                 name: graph_replay_us(call)
-                for name, call in resources.calls(x, residual, weight).items()
+                for name, call in resources.calls(epilogue_case("plain", n, hidden), inputs).items()
                 if not (name == "tpfuse:twoshot" and n < world)
             }
             done += 1
