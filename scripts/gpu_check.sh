@@ -5,7 +5,7 @@
 # counts, 5 providers), `variants` 2 min, the end-to-end benchmark 3-5 min: a 10-minute device call
 # holds one part.
 # Usage (device tool, carry [".anchors"] for FlashInfer):
-#   bash scripts/gpu_check.sh [quick|tests|bench|variants|baseline|e2e|hf|hf-pairs|soak-start|soak-wait]
+#   bash scripts/gpu_check.sh [quick|tests|bench|variants|epilogues|baseline|e2e|hf|hf-pairs|soak-start|soak-wait]
 # Needs: 2+ GPUs, python3 with torch (>= 2.11) and triton; nothing is installed from a registry.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,6 +98,19 @@ if [ "$MODE" = baseline ]; then
       echo "== round $round: $tree"; grep -A8 "^hidden tokens" "$OUT/baseline.log"
     done
   done
+  exit $status
+fi
+
+# `epilogues`: the block ends of other model families (issue 18), tpfuse against NCCL + the compiled
+# unfused chain, every provider checked against float64 first; then their GPU tests.
+if [ "$MODE" = epilogues ]; then
+  timeout 420 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --hidden 4096,8192 \
+    --tokens 1,2,4,8,16,32,64,512,1024,2048,4096 --providers tpfuse,nccl \
+    --epilogue bias,gemma,layernorm,two_branches,fp8_token,fp8_group128 --out "$OUT/epilogues" \
+    > "$OUT/epilogues.log" 2>&1 || status=1
+  grep -E "^largest" "$OUT/epilogues.log"; grep -A90 "epilogue hidden tokens" "$OUT/epilogues.log"
+  timeout 150 python3 -m pytest tests/kernels/test_epilogue.py -q -rfE -k nccl \
+    -p no:cacheprovider 2>&1 | tail -3
   exit $status
 fi
 

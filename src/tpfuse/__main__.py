@@ -31,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         "tpfuse, flashinfer",
     )
     bench.add_argument("--epilogue", default="plain",
-                       help="kernel: the block end every provider computes: plain, bias, gemma, layernorm, "
-                       "two_branches, fp8_token, fp8_group128 (tpfuse.bench.providers.EPILOGUES)")
+                       help="kernel: the block ends every provider computes, comma-separated: plain, "
+                       "bias, gemma, layernorm, two_branches, fp8_token, fp8_group128 "
+                       "(tpfuse.bench.providers.EPILOGUES)")
     bench.add_argument("--client", default="tpfuse", choices=["tpfuse", "hf"],
                        help="e2e: our TP Llama, or Hugging Face's LlamaForCausalLM under tp_plan='auto'")
     bench.add_argument("--preset", default="llama-3-8b", help="e2e: model preset")
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     providers = args.providers or "tpfuse,nccl,symm_mem,flashinfer,floor,launch"
     return run_kernel_bench(_ints(args.hidden), _ints(args.tokens), providers.split(","), args.out,
-                            args.epilogue)
+                            tuple(args.epilogue.split(",")))
 
 
 if __name__ == "__main__":

@@ -48,8 +48,8 @@ def relative_error(case, result: tuple[torch.Tensor, torch.Tensor | None], y_ref
     return ((y.double() - y_ref).norm() / y_ref.norm()).item()
 
 
-def bench_rank(hiddens: list[int], tokens: list[int], providers: list[str], epilogue: str = "plain"
-               ) -> tuple[list[dict], float]:
+def bench_rank(hiddens: list[int], tokens: list[int], providers: list[str],
+               epilogues: tuple[str, ...] = ("plain",)) -> tuple[list[dict], float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     max_t, max_h = max(tokens), max(hiddens)
@@ -58,34 +58,34 @@ def bench_rank(hiddens: list[int], tokens: list[int], providers: list[str], epil
     if rank == 0:
         print(f"peer copy bandwidth ({max_t * max_h * 2 >> 20} MiB): {ceiling:.1f} GB/s", flush=True)
     rows = []
-    for hidden in hiddens:
-        for n in tokens:
-            case, on_device, y_ref = bench_inputs(epilogue, n, hidden, world, rank, dev)
-            row = {"hidden": hidden, "tokens": n, "bytes_per_rank": n * hidden * 2}
-            if "tpfuse" in providers:
-                row["algorithm"] = resources.comm.choose_algorithm(n, hidden, torch.bfloat16,
-                                                                   epilogue=case.epilogue(on_device))
-            for name, call in resources.calls(case, on_device, epilogue == "two_branches").items():
-                if name in FLOOR_PROVIDERS:  # a bound, not the op: nothing to check
-                    row[name] = graph_replay_us(call)
-                    continue
-                y, _ = call()
-                y.fill_(float("nan"))  # poison, then check what one call writes
-                row[f"{name}_err"] = relative_error(case, call(), y_ref)
+    sizes = [(epilogue, hidden, n) for epilogue in epilogues for hidden in hiddens for n in tokens]
+    for epilogue, hidden, n in sizes:
+        case, on_device, y_ref = bench_inputs(epilogue, n, hidden, world, rank, dev)
+        row = {"epilogue": epilogue, "hidden": hidden, "tokens": n, "bytes_per_rank": n * hidden * 2}
+        if "tpfuse" in providers:
+            row["algorithm"] = resources.comm.choose_algorithm(n, hidden, torch.bfloat16,
+                                                               epilogue=case.epilogue(on_device))
+        for name, call in resources.calls(case, on_device, epilogue == "two_branches").items():
+            if name in FLOOR_PROVIDERS:  # a bound, not the op: nothing to check
                 row[name] = graph_replay_us(call)
-                row[f"{name}_GBps"] = row["bytes_per_rank"] / row[name] / 1e3
-            if "fi_oneshot" in row and "tpfuse" in row:
-                row["fi_oneshot/tpfuse"] = row["fi_oneshot"] / row["tpfuse"]
-            if "floor" in row and "tpfuse" in row:
-                row["tpfuse/floor"] = row["tpfuse"] / row["floor"]
-            best_baseline = min((row[k] for k in BASELINES if k in row), default=None)
-            if best_baseline is not None and "tpfuse" in row:
-                row["best_baseline/tpfuse"] = best_baseline / row["tpfuse"]
-            row["peer_copy_GBps"] = ceiling
-            if rank == 0:
-                print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                                if not k.endswith("_GBps")), flush=True)
-            rows.append(row)
+                continue
+            y, _ = call()
+            y.fill_(float("nan"))  # poison, then check what one call writes
+            row[f"{name}_err"] = relative_error(case, call(), y_ref)
+            row[name] = graph_replay_us(call)
+            row[f"{name}_GBps"] = row["bytes_per_rank"] / row[name] / 1e3
+        if "fi_oneshot" in row and "tpfuse" in row:
+            row["fi_oneshot/tpfuse"] = row["fi_oneshot"] / row["tpfuse"]
+        if "floor" in row and "tpfuse" in row:
+            row["tpfuse/floor"] = row["tpfuse"] / row["floor"]
+        best_baseline = min((row[k] for k in BASELINES if k in row), default=None)
+        if best_baseline is not None and "tpfuse" in row:
+            row["best_baseline/tpfuse"] = best_baseline / row["tpfuse"]
+        row["peer_copy_GBps"] = ceiling
+        if rank == 0:
+            print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                            if not k.endswith("_GBps")), flush=True)
+        rows.append(row)
     resources.release()
     return rows, ceiling
 
@@ -104,16 +104,20 @@ def write_outputs(rows: list[dict], ceiling: float, out_dir: str) -> None:
     ratios = [k for k in ("fi_oneshot/tpfuse", "best_baseline/tpfuse", "tpfuse/floor") if k in keys]
     width = max(len(k) for k in timed + ratios) + 1
     print(f"peer copy bandwidth: {ceiling:.1f} GB/s")
-    print(f"\n{'hidden':>6} {'tokens':>6} {'algo':>8} " + " ".join(f"{k:>{width}}" for k in timed + ratios)
-          + f" {'tpfuse GB/s':>12}")
+    epilogues = list(dict.fromkeys(row["epilogue"] for row in rows))
+    shown = epilogues != ["plain"]  # the epilogue column, when the run had others
+    print("\n" + f"{'epilogue':>12} " * shown + f"{'hidden':>6} {'tokens':>6} {'algo':>8} "
+          + " ".join(f"{k:>{width}}" for k in timed + ratios) + f" {'tpfuse GB/s':>12}")
     for row in rows:
         cells = " ".join(f"{row[k]:>{width}.{3 if '/' in k else 2}f}" if k in row else f"{'-':>{width}}"
                          for k in timed + ratios)
         bw = f"{row['tpfuse_GBps']:>12.1f}" if "tpfuse_GBps" in row else f"{'-':>12}"
-        print(f"{row['hidden']:>6} {row['tokens']:>6} {row.get('algorithm', '-'):>8} {cells} {bw}")
+        print(f"{row['epilogue']:>12} " * shown
+              + f"{row['hidden']:>6} {row['tokens']:>6} {row.get('algorithm', '-'):>8} {cells} {bw}")
     plt = pyplot()
     if plt is None:
         return
+    rows = [row for row in rows if row["epilogue"] == epilogues[0]]  # the plot: the first epilogue
     hiddens = sorted({row["hidden"] for row in rows})
     fig, axes = plt.subplots(2, len(hiddens), figsize=(5 * len(hiddens), 8), squeeze=False)
     for col, hidden in enumerate(hiddens):
@@ -157,12 +161,18 @@ def finish_torchrun() -> None:
 
 
 def run_kernel_bench(hiddens: list[int], tokens: list[int], providers: list[str], out_dir: str,
-                     epilogue: str = "plain") -> int:
+                     epilogues: tuple[str, ...] = ("plain",)) -> int:
     """Entry point of ``python -m tpfuse bench kernel``; run it under torchrun, one process a GPU."""
+    from tpfuse.bench.providers import EPILOGUES
+
+    unknown = [name for name in epilogues if name not in EPILOGUES]
+    if unknown:
+        print(f"unknown epilogue {', '.join(unknown)}; there are {', '.join(EPILOGUES)}")
+        return 2
     if not init_torchrun():
         return 2
     try:
-        rows, ceiling = bench_rank(hiddens, tokens, providers, epilogue)
+        rows, ceiling = bench_rank(hiddens, tokens, providers, epilogues)
         if dist.get_rank() == 0:
             write_outputs(rows, ceiling, out_dir)
     finally:
