@@ -66,3 +66,34 @@ def test_every_step_on_the_reference_path(rank_pool):
     for i, case in enumerate(CASES):
         check_results(case, 2, [res["outputs"][i] for res in results])
     assert all(res["stats"] == {"reference": len(CASES)} for res in results)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
+def test_every_step_compiled_on_one_gpu(algorithm):
+    # A group of one has no peer to exchange with, but runs the epilogue as the GPU compiles it (the
+    # interpreter could differ: reshapes into groups, fp8 bits, division): each case against float64.
+    from tpfuse.kernels import layout
+    from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
+    from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+
+    device = torch.device("cuda")
+    region = 16 * 4096
+    buffer = torch.full((layout.buffer_elems(region, 1),), layout.SENTINEL, dtype=torch.int16, device=device)
+    workspace = layout.Workspace(region, buffer, torch.tensor([buffer.data_ptr()], device=device),
+                                 torch.zeros(layout.STATE_LEN, dtype=torch.int32, device=device), [])
+    programs = torch.cuda.get_device_properties(device).multi_processor_count
+    ctx = layout.LaunchContext(workspace, 0, 1, programs, 10 * 10**9)
+    launch = oneshot_allreduce_add_rmsnorm if algorithm == "oneshot" else twoshot_allreduce_add_rmsnorm
+    for case in CASES:
+        inputs = case.inputs(1, device)
+        x = inputs["xs"][0]
+        fp8 = case.scale_group or case.quant_scale is not None
+        y = torch.full(x.shape, float("nan"), device=device).to(torch.float8_e4m3fn if fp8 else x.dtype)
+        h = torch.full_like(x, float("nan"))
+        scales = torch.full((case.tokens, case.hidden // case.scale_group), float("nan"), device=device) \
+            if case.scale_group else None
+        launch(ctx, x, inputs["residual"], inputs["weight"], case.eps, y, h, inputs["quant_scale"],
+               case.epilogue(inputs, scales))
+        check_results(case, 1, [(y, h) + ((scales,) if scales is not None else ())])
+    assert workspace.state[layout.STATE_ERROR].item() == 0
