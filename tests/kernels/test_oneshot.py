@@ -1,5 +1,6 @@
 """The one-shot kernel's protocol: slot rotation, clearing, sentinel values, capacity."""
 
+import collections
 import dataclasses
 
 import pytest
@@ -79,8 +80,9 @@ def _over_capacity(rank, world_size, backend):
     fused = comm.choose_algorithm(limit, 4096, torch.bfloat16)
     tpfuse.reset_stats()
     out = []
-    for tokens in (limit, limit + 1):
-        case = Case(tokens, 4096, seed=tokens)
+    calls = ((limit, torch.bfloat16), (2 * limit + 1, torch.bfloat16), (limit + 1, torch.float32))
+    for tokens, dtype in calls:
+        case = Case(tokens, 4096, dtype, seed=tokens)
         inp = case.inputs(world_size, device)
         y, h = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
         out.append((y.cpu(), h.cpu()))
@@ -88,14 +90,19 @@ def _over_capacity(rank, world_size, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_call_over_the_workspace_takes_the_reference_path(rank_pool, backend):
+def test_calls_over_the_workspace_run_fused_in_chunks(rank_pool, backend):
+    # 2 x limit + 1 rows: two fused calls of the limit and a one-row one-shot, every wait bounded;
+    # float32, which the kernels do not take, takes the reference path (the group's all-reduce).
     results = rank_pool(2, backend).run(_over_capacity, backend)
     limit, fused = results[0]["limit"], results[0]["fused"]
     assert limit >= 24
-    for i, tokens in enumerate((limit, limit + 1)):
-        check_results(Case(tokens, 4096, seed=tokens), 2, [res["outputs"][i] for res in results])
+    for i, (tokens, dtype) in enumerate(((limit, torch.bfloat16), (2 * limit + 1, torch.bfloat16),
+                                         (limit + 1, torch.float32))):
+        check_results(Case(tokens, 4096, dtype, seed=tokens), 2, [res["outputs"][i] for res in results])
     assert fused in ("oneshot", "twoshot"), fused
-    assert all(res["stats"] == {f"triton.{fused}": 1, "reference": 1} for res in results)
+    expected = collections.Counter({f"triton.{fused}": 3, "reference": 1})
+    expected["triton.oneshot"] += 1
+    assert all(res["stats"] == dict(expected) for res in results)
 
 
 # Programs enough for every chunk of a few rows to get a pusher, as on a GPU (the interpreter runs

@@ -61,25 +61,37 @@ def test_stalled_peer_raises_instead_of_hanging(rank_pool, backend):
 # collective leaves it pending there (the group is then out of step and is dropped, as
 # docs/reliability.md tells users to do), and the pool's default group stays usable.
 TIMEOUT_S = 3.0
+LIMIT = 16  # tokens x 512 a fused call takes; larger calls run as fused calls of 16 rows
 MISMATCHES = {
-    # name: (rank 0's call, rank 1's call), each (tokens, hidden, dtype); limits: 16 tokens x 512
+    # name: (rank 0's call, rank 1's call), each (tokens, hidden, dtype)
     "tokens": ((5, 512, torch.bfloat16), (3, 512, torch.bfloat16)),
     "hidden": ((4, 512, torch.bfloat16), (4, 256, torch.bfloat16)),
     "dtype": ((4, 512, torch.bfloat16), (4, 512, torch.float16)),
     "empty on one rank": ((0, 512, torch.bfloat16), (6, 512, torch.bfloat16)),
-    "fused and reference (tokens)": ((4, 512, torch.bfloat16), (32, 512, torch.bfloat16)),
+    "fused and chunked": ((4, 512, torch.bfloat16), (32, 512, torch.bfloat16)),  # 4 rows against 16
+    # 16 + 4 rows against 16 + 8
+    "chunked, different tokens": ((20, 512, torch.bfloat16), (24, 512, torch.bfloat16)),
     "fused and reference (fp32)": ((4, 512, torch.bfloat16), (4, 512, torch.float32)),
-    "reference, different tokens": ((20, 512, torch.bfloat16), (24, 512, torch.bfloat16)),
+    "reference, different tokens": ((4, 512, torch.float32), (6, 512, torch.float32)),
 }
 
 
-BOTH_FUSED = ["tokens", "hidden", "dtype", "empty on one rank"]
+BOTH_FUSED = ["tokens", "hidden", "dtype", "empty on one rank", "fused and chunked",
+              "chunked, different tokens"]
+
+
+def _failing_call(name: str, rank: int) -> str:
+    """How the fused call that differs reads in the error: the first (or, chunked alike, the second) one."""
+    tokens, hidden, dtype = MISMATCHES[name][rank]
+    if name == "chunked, different tokens":
+        tokens -= LIMIT  # the first chunks agree
+    return f"{min(tokens, LIMIT)} x {hidden} {str(dtype)[6:]}"
 
 
 def _disagree(rank, world_size, name, backend="gloo"):
     device = rank_device(backend, rank)
     group = dist.new_group(list(range(world_size)))
-    comm = tpfuse.get_communicator(group, max_tokens=16, hidden=512, wait_timeout_s=TIMEOUT_S)
+    comm = tpfuse.get_communicator(group, max_tokens=LIMIT, hidden=512, wait_timeout_s=TIMEOUT_S)
     tokens, hidden, dtype = MISMATCHES[name][rank]
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(device)
@@ -99,8 +111,8 @@ def _disagree(rank, world_size, name, backend="gloo"):
     return report
 
 
-# On GPUs only calls that both ranks fuse: a reference-path call there is NCCL's all-reduce as it is
-# (bounded by the process group's timeout, not ours; docs/reliability.md).
+# On GPUs only calls that both ranks fuse: a reference-path call there (float32) is NCCL's all-reduce as
+# it is (bounded by the process group's timeout, not ours; docs/reliability.md).
 @pytest.mark.parametrize("name,backend", [(name, "gloo") for name in MISMATCHES] +
                          [(name, "nccl") for name in BOTH_FUSED if "nccl" in BACKENDS])
 def test_calls_that_differ_raise_on_every_rank_within_the_bound(rank_pool, name, backend):
@@ -110,10 +122,9 @@ def test_calls_that_differ_raise_on_every_rank_within_the_bound(rank_pool, name,
         assert report["error"] is not None, (rank, report)
         assert report["seconds"] < TIMEOUT_S + 5 + compile_s, (rank, report)  # never a hang
         assert report["outputs"] != "data", (rank, report)  # no rank returns data of a mismatched call
-    (t0, h0, d0), (t1, h1, d1) = MISMATCHES[name]
     if name in BOTH_FUSED:  # the kernels compare call descriptors: each rank names both calls, at once
         for rank, report in enumerate(reports):
-            ours, theirs = (f"{t0} x {h0} {str(d0)[6:]}", f"{t1} x {h1} {str(d1)[6:]}")[::1 - 2 * rank]
+            ours, theirs = _failing_call(name, rank), _failing_call(name, 1 - rank)
             assert f"({ours} " in report["error"] and f"does not match rank {1 - rank}'s call ({theirs} " in \
                 report["error"], report["error"]
             assert report["seconds"] < TIMEOUT_S + compile_s, report  # found by the comparison, not the bound
@@ -123,7 +134,7 @@ def test_calls_that_differ_raise_on_every_rank_within_the_bound(rank_pool, name,
     else:  # both on the reference path: the exchange before the all-reduce names the field
         for report in reports:
             assert "the ranks differ at reference-path call #1" in report["error"], report["error"]
-            assert "tokens (rank 0: 20, rank 1: 24)" in report["error"], report["error"]
+            assert "tokens (rank 0: 4, rank 1: 6)" in report["error"], report["error"]
 
 
 def _recreated_after_mismatch(rank, world_size):

@@ -176,6 +176,20 @@ class Communicator:
         return select.choose_algorithm(n_tokens, hidden, dtype, self.world_size, self.workspace_bytes,
                                        self.device)
 
+    def chunk_rows(self, n_tokens: int, hidden: int, dtype: torch.dtype, quantized: bool = False,
+                   epilogue: Epilogue = PLAIN) -> int:
+        """Rows per fused call for a call over the fusion limit, or 0 when it takes the reference path.
+
+        A backend whose kernels compare the ranks' calls (ours) takes such a call as several fused calls
+        of at most ``max_token_num`` rows: no rank ever waits in the group's all-reduce, which is
+        bounded only by the process group's timeout on GPUs, and the calls stay checked. Calls the
+        kernels cannot take (float32, a hidden size they do not support) still take the reference path.
+        """
+        limit = self.max_token_num(hidden, dtype)
+        chunked = (self.fused is not None and self.fused.compares_calls and 0 < limit < n_tokens
+                   and self.fused.takes(limit, quantized, epilogue))
+        return limit if chunked else 0
+
     def run_fused(self, algorithm: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                   eps: float, y: torch.Tensor, h: torch.Tensor, quant_scale: torch.Tensor | None,
                   epilogue: Epilogue = PLAIN) -> str:

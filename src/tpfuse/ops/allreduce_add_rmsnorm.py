@@ -13,6 +13,7 @@ own all-reduce, then the same norm in torch).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -135,6 +136,18 @@ def _group_by_name(group_name: str) -> dist.ProcessGroup:
         raise ValueError(f"tpfuse: unknown process group {group_name!r}") from exc
 
 
+def _run_fused(comm, x, residual, weight, eps, quant_scale, y, h, epilogue, checking) -> None:
+    """One fused call of ``comm``'s backend, with the algorithm its table gives for these rows."""
+    n_tokens, hidden = x.shape
+    algorithm = comm.choose_algorithm(n_tokens, hidden, x.dtype, quant_scale is not None, epilogue)
+    if checking and not comm.fused.compares_calls:
+        comm.check_call_matches(n_tokens, hidden, x.dtype, algorithm)
+    started = time.monotonic()
+    _stats.record(comm.run_fused(algorithm, x, residual, weight, eps, y, h, quant_scale, epilogue))
+    if checking:
+        comm.check_errors(waited_s=time.monotonic() - started)
+
+
 def _run(x, residual, weight, eps, group_name, quant_scale, y, h, epilogue=PLAIN) -> None:
     check_inputs(x, residual, weight, eps, quant_scale, y, h, epilogue)
     n_tokens, hidden = x.shape
@@ -143,14 +156,25 @@ def _run(x, residual, weight, eps, group_name, quant_scale, y, h, epilogue=PLAIN
     comm = lookup_communicator(group_name)
     if comm is not None and comm.device == x.device:
         comm.check_usable()
-        algorithm = comm.choose_algorithm(n_tokens, hidden, x.dtype, quant_scale is not None, epilogue)
-        if algorithm != select.REFERENCE:
-            if checking and not comm.fused.compares_calls:
-                comm.check_call_matches(n_tokens, hidden, x.dtype, algorithm)
-            started = time.monotonic()
-            _stats.record(comm.run_fused(algorithm, x, residual, weight, eps, y, h, quant_scale, epilogue))
-            if checking:
-                comm.check_errors(waited_s=time.monotonic() - started)
+        quantized = quant_scale is not None
+        rows = max(n_tokens, 1)  # an empty call is a fused call too: it exchanges descriptors
+        if comm.choose_algorithm(n_tokens, hidden, x.dtype, quantized, epilogue) == select.REFERENCE:
+            rows = comm.chunk_rows(n_tokens, hidden, x.dtype, quantized, epilogue)
+        if rows:
+            # Calls over the workspace run as fused calls of `rows` rows each (rows are independent),
+            # so the ranks' calls stay compared and every wait bounded (docs/reliability.md).
+            try:
+                for start in range(0, max(n_tokens, 1), rows):
+                    part = slice(start, min(start + rows, n_tokens))
+                    scales = epilogue.scales[part] if epilogue.scales is not None else None
+                    rows_epilogue = dataclasses.replace(epilogue, scales=scales)
+                    _run_fused(comm, x[part], residual[part] if residual is not None else None, weight, eps,
+                               quant_scale, y[part], h[part], rows_epilogue, checking)
+            except RuntimeError:
+                for out in (y, h, epilogue.scales):  # a failed call returns none of its rows, not even
+                    if out is not None and rows < n_tokens:  # those of chunks that went through
+                        out.fill_(float("nan"))
+                raise
             return
     group = _group_by_name(group_name)
     checking = checking and dist.get_world_size(group) > 1
