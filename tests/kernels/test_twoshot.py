@@ -84,6 +84,8 @@ def test_both_kernels_at_four_and_eight_ranks(rank_pool, world_size):
         Case(13, 512, seed=3, cancelling=True),
         Case(20, 64, seed=4),
     ]
+    if world_size == 8:  # 8 processes on CI's 2 cores: one call of each kernel
+        cases = cases[::2]
     results = rank_pool(world_size).run(_wide, cases, timeout=900)
     for i, case in enumerate(cases):
         check_results(case, world_size, [res["outputs"][i] for res in results])

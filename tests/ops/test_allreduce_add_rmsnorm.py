@@ -15,10 +15,10 @@ BACKENDS = rank_backends()
 HIDDENS = [8, 64, 2880, 4096, 5120, 7168]
 
 
-def accuracy_cases() -> list[Case]:
+def accuracy_cases(hiddens: list[int] = HIDDENS) -> list[Case]:
     cases = []
     for seed, (dtype, residual, hidden, tokens) in enumerate(itertools.product(
-            [torch.bfloat16, torch.float16, torch.float32], [True, False], HIDDENS, [1, 3])):
+            [torch.bfloat16, torch.float16, torch.float32], [True, False], hiddens, [1, 3])):
         cases.append(Case(tokens, hidden, dtype, residual, seed=seed))
     cases += [
         Case(5, 4096, torch.bfloat16, True, quant_scale=0.05, seed=100),
@@ -51,7 +51,9 @@ def _run_cases(rank, world_size, backend, cases, path):
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("path", ["kernel", "reference"])
 def test_matches_float64_on_every_rank(rank_pool, backend, world_size, path):
-    cases = accuracy_cases()
+    # 3 ranks: half the hidden sizes (a row that fills the block, one that does not, the smallest), for
+    # CI's time; 2 ranks take them all.
+    cases = accuracy_cases(HIDDENS if world_size == 2 else [8, 4096, 7168])
     results = rank_pool(world_size, backend).run(_run_cases, backend, cases, path)
     for i, case in enumerate(cases):
         check_results(case, world_size, [res["outputs"][i] for res in results])
