@@ -18,3 +18,14 @@ def test_fp8_conversion_is_bit_exact_with_torch():
     got = to_e4m3fn(x).view(torch.uint8)
     expected = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
     assert torch.equal(got, expected), f"{(got != expected).sum().item()} codes differ"
+
+
+def test_fp8_decoding_is_exact_for_every_code():
+    from tpfuse.kernels.fp8 import from_e4m3fn
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(device)
+    got, expected = from_e4m3fn(codes), codes.float()
+    nan = expected.isnan()
+    assert torch.equal(got.isnan(), nan) and torch.equal(got[~nan].view(torch.int32),
+                                                         expected[~nan].view(torch.int32))

@@ -34,11 +34,14 @@ SHAPES = [
     ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, **LAYER_NORM)),
     ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=4096, BLOCK_C=4096, **GEMMA_PER_GROUP)),
     ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, QUANT=2)),
-    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=False)),
-    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True)),
-    ("twoshot", 8, "fp16", dict(BLOCK_H=4096, GROUPED=False, **STATIC_FP8)),
-    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, **LAYER_NORM)),
-    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, **GEMMA_PER_GROUP)),
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=False, WIRE=False)),
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False)),
+    ("twoshot", 8, "fp16", dict(BLOCK_H=4096, GROUPED=False, WIRE=False, **STATIC_FP8)),
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False, **LAYER_NORM)),
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False, **GEMMA_PER_GROUP)),
+    # The fp8 wire (kernels/wire.py): its code and exponent words are not 16-byte rows.
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=True)),
+    ("twoshot", 4, "bf16", dict(BLOCK_H=4096, GROUPED=False, WIRE=True, **LAYER_NORM)),
 ]
 PLAIN = dict(HAS_BIAS=False, SUM_NORM=False, LAYER_NORM=False, HAS_NORM_BIAS=False, QUANT=0, SCALE_GROUP=0)
 
@@ -72,8 +75,11 @@ def _compile_all() -> None:
                                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
         ptx = compiled.asm["ptx"]
         narrow = len(re.findall(r"(?:ld|st)(?:\.volatile)?\.global\.b16", ptx))
+        # The fp8 wire's exponent words (one per block of 128: a short vector, a word a thread) add a
+        # few narrow sends and polls per peer; its code words move 16 bytes at a time like rows.
+        allowed = 4 * (world - 1) + (4 * world if flags.get("WIRE") else 0)
         print(f"{name} W={world} {dtype} fp8={quant} {constexprs}: {len(compiled.asm['cubin'])} bytes, "
-              f"{narrow} narrow of {4 * (world - 1)} allowed, {ptx.count('st.global')} stores")
+              f"{narrow} narrow of {allowed} allowed, {ptx.count('st.global')} stores")
 
 
 def _compile_floor() -> None:
@@ -109,9 +115,10 @@ def test_kernels_compile_for_sm90():
     # Accesses of one word each took 8x the transactions (over NVLink too) until the kernels said
     # that peer buffers and sizes are aligned. The only narrow accesses left are the call
     # descriptor's 8 words (a thread a word): its send, its two polls and its clear, for each peer.
-    narrow = [line for line in lines
-              if re.search(r", (\d+) narrow of (\d+) allowed", line).group(1) !=
-              re.search(r", (\d+) narrow of (\d+) allowed", line).group(2)]
+    counts = [(line, *map(int, re.search(r", (\d+) narrow of (\d+) allowed", line).groups()))
+              for line in lines]
+    narrow = [line for line, found, allowed in counts
+              if found > allowed or (found != allowed and "'WIRE': True" not in line)]
     assert not narrow, "16-bit global accesses left:\n" + "\n".join(narrow)
 
 

@@ -42,3 +42,26 @@ def test_masked_16bit_loads_and_stores_match_triton(dtype):
     expected[3] = 7
     for out in outs:
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), out
+
+
+def test_float32_to_bfloat16_rounds_to_nearest_even_as_gpus_do():
+    # Triton's interpreter truncates (1.99 -> 1.984375); GPUs round to nearest even (-> 1.9921875).
+    import triton
+    import triton.language as tl
+
+    import tpfuse.kernels  # noqa: F401 - installs the interpreter's fixes
+
+    @triton.jit
+    def to_bf16(src, dst, BLOCK: tl.constexpr):
+        cols = tl.arange(0, BLOCK)
+        tl.store(dst + cols, tl.load(src + cols).to(tl.bfloat16))
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, generator=g) * 10.0 ** torch.randint(-30, 30, (1024,), generator=g).float()
+    x[:9] = torch.tensor([1.99, float("inf"), -float("inf"), float("nan"), 3.4e38, -0.0, 1e-40, -1e-39,
+                          2.5e-3])
+    got = torch.empty(1024, dtype=torch.bfloat16)
+    to_bf16[(1,)](x, got, BLOCK=1024)
+    expected = x.bfloat16()
+    same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
+    assert same.all(), (x[~same][:4], got[~same][:4], expected[~same][:4])

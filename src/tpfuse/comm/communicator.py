@@ -24,6 +24,8 @@ DEFAULT_WAIT_TIMEOUT_S = 10.0
 #: Where fused calls run: our Triton kernels, FlashInfer's kernels (optional), or always the group's
 #: own all-reduce. ``$TPFUSE_BACKEND`` picks the default.
 BACKENDS = ("triton", "flashinfer", "reference")
+#: What the two-shot may send instead of 16-bit rows: None (exact) or "fp8" (``tpfuse.kernels.wire``).
+COMPRESSIONS = (None, "fp8")
 
 _registry: dict[str, Communicator] = {}
 _registry_lock = threading.RLock()
@@ -70,19 +72,22 @@ class Communicator:
     device : torch.device
     backend : str
         One of :data:`BACKENDS`.
+    compress : str or None
+        One of :data:`COMPRESSIONS`: ``"fp8"`` when the two-shot's calls travel on the fp8 wire.
     fused : FusedBackend or None
         Where fused calls run (:mod:`tpfuse.comm.backend`); None: every call takes the reference path
         (the ``reference`` backend, one rank, or no GPU and no Triton interpreter).
     """
 
     def __init__(self, group: dist.ProcessGroup, max_tokens: int, hidden: int, backend: str,
-                 wait_timeout_s: float | None = None):
+                 wait_timeout_s: float | None = None, compress: str | None = None):
         self.group = group
         self.group_name = group.group_name
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.device = group_device(group)
         self.backend = backend
+        self.compress = compress
         self.fused: FusedBackend | None = None
         self.wait_timeout_s = float(wait_timeout_s or default_wait_timeout_s())
         self._destroyed = False
@@ -106,6 +111,7 @@ class Communicator:
         agreement.exchange(self.group, self.device, {
             "record": agreement.SETUP,
             "backend": BACKENDS.index(self.backend),
+            "compress": COMPRESSIONS.index(self.compress),
             "max_tokens": max_tokens,
             "hidden": hidden,
             "kernels usable": int(kernels_usable(self.device)),
@@ -137,7 +143,8 @@ class Communicator:
         elif kernels_usable(self.device):  # else no Triton kernel can run here: the reference path
             from tpfuse.comm.triton_backend import TritonBackend
 
-            self.fused = TritonBackend(self.group, self.device, max_tokens * hidden, self.wait_timeout_s)
+            self.fused = TritonBackend(self.group, self.device, max_tokens * hidden, self.wait_timeout_s,
+                                       fp8_wire=self.compress == "fp8")
 
     @property
     def wait_timeout_s(self) -> float:
@@ -165,7 +172,7 @@ class Communicator:
 
     def fusion_signature(self) -> str:
         """What decides which calls of this group can fuse: backend, world size, workspace, table."""
-        return (f"{self.group_name}:{self.backend}:{self.world_size}:{self.workspace_bytes}:"
+        return (f"{self.group_name}:{self.backend}:{self.compress}:{self.world_size}:{self.workspace_bytes}:"
                 f"{self._table_digest()}")
 
     def choose_algorithm(self, n_tokens: int, hidden: int, dtype: torch.dtype,
@@ -287,7 +294,7 @@ class Communicator:
     def __repr__(self) -> str:
         state = "destroyed" if self._destroyed else f"workspace_bytes={self.workspace_bytes}"
         return (f"Communicator(group={self.group_name!r}, rank={self.rank}, world_size={self.world_size}, "
-                f"device={self.device}, backend={self.backend!r}, {state})")
+                f"device={self.device}, backend={self.backend!r}, compress={self.compress!r}, {state})")
 
 
 def check_sizes(max_tokens: int | None, hidden: int | None, wait_timeout_s: float | None) -> None:
@@ -315,6 +322,7 @@ def get_communicator(
     hidden: int | None = None,
     backend: str | None = None,
     wait_timeout_s: float | None = None,
+    compress: str | None = None,
 ) -> Communicator:
     """Return the one communicator of ``group``, creating it on first use.
 
@@ -336,6 +344,11 @@ def get_communicator(
     wait_timeout_s : float, optional
         How long a kernel waits for a peer before it gives up and flags an error (default 10 s, or
         ``$TPFUSE_WAIT_TIMEOUT_S``); see :meth:`Communicator.check_errors`.
+    compress : str, optional
+        ``"fp8"``: two-shot calls (the large ones) send x and the reduced sum as fp8 with a scale per
+        128 elements, about half the bytes, within the error bound of :mod:`tpfuse.kernels.wire`;
+        off (exact) by default. Triton backend only; hidden sizes that are not a multiple of 128, and
+        one-shot calls, stay exact. Fixed when the communicator is created.
     """
     check_sizes(max_tokens, hidden, wait_timeout_s)
     max_tokens, hidden = (None if v is None else int(v) for v in (max_tokens, hidden))  # numpy ints too
@@ -343,16 +356,23 @@ def get_communicator(
     chosen = backend or os.environ.get("TPFUSE_BACKEND") or "triton"
     if chosen not in BACKENDS:
         raise ValueError(f"tpfuse: unknown backend {chosen!r}; choose one of {', '.join(BACKENDS)}")
+    if compress not in COMPRESSIONS:
+        raise ValueError(f"tpfuse: unknown compress {compress!r}; choose None or 'fp8'")
+    if compress is not None and chosen != "triton":
+        raise ValueError(f"tpfuse: compress={compress!r} needs the triton backend, not {chosen!r}")
     with _registry_lock:
         comm = _registry.get(group.group_name)
         if comm is None:
             comm = Communicator(group, max_tokens or DEFAULT_MAX_TOKENS, hidden or DEFAULT_HIDDEN, chosen,
-                                wait_timeout_s)
+                                wait_timeout_s, compress)
             _registry[group.group_name] = comm
             return comm
         if backend is not None and comm.backend != backend:
             raise ValueError(f"tpfuse: group {group.group_name!r} already has a communicator with backend "
                              f"{comm.backend!r}; destroy it before asking for {backend!r}")
+        if compress is not None and comm.compress != compress:
+            raise ValueError(f"tpfuse: group {group.group_name!r} already has a communicator with compress="
+                             f"{comm.compress!r}; destroy it before asking for {compress!r}")
         if max_tokens is not None or hidden is not None:
             comm.ensure_capacity(max_tokens or DEFAULT_MAX_TOKENS, hidden or DEFAULT_HIDDEN)
         if wait_timeout_s is not None:  # applies to calls launched from now on (not to captured graphs)

@@ -27,14 +27,17 @@ class TritonBackend(FusedBackend):
         The buffers the kernels push into (tests and benchmarks read them).
     launch : tpfuse.kernels.layout.LaunchContext
         What every launch takes besides the call's tensors.
+    fp8_wire : bool
+        Two-shot calls send fp8 (``tpfuse.kernels.wire``) where the hidden size allows.
     """
 
     name = "triton"
     compares_calls = True  # every call exchanges descriptors (docs/reliability.md)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, region_elems: int,
-                 wait_timeout_s: float):
+                 wait_timeout_s: float, fp8_wire: bool = False):
         self.workspace = ws.allocate(group, region_elems, device)
+        self.fp8_wire = fp8_wire
         programs = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
                     else CPU_MAX_PROGRAMS)
         # Kernel grids must match across ranks: agree on the smallest count once, here.
@@ -52,10 +55,15 @@ class TritonBackend(FusedBackend):
 
     def run(self, algorithm, x, residual, weight, eps, y, h, quant_scale, epilogue) -> None:
         if algorithm == select.ONESHOT:
-            from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm as launch
+            from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
+
+            oneshot_allreduce_add_rmsnorm(self.launch, x, residual, weight, eps, y, h, quant_scale, epilogue)
         else:
-            from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm as launch
-        launch(self.launch, x, residual, weight, eps, y, h, quant_scale, epilogue)
+            from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+            from tpfuse.kernels.wire import wire_supported
+
+            twoshot_allreduce_add_rmsnorm(self.launch, x, residual, weight, eps, y, h, quant_scale, epilogue,
+                                          wire=self.fp8_wire and wire_supported(x.shape[1]))
 
     def set_wait_timeout(self, seconds: float) -> None:
         self.launch.wait_limit_ns = int(seconds * 1e9)

@@ -213,12 +213,8 @@ def match_rmsnorm(h: Node) -> tuple[Node, Node, float, list[Node]] | None:
                 continue
             if not _last_dim(mean.args[1], c):
                 continue
-            add_eps = _only_user(mean)
-            if not (_is(add_eps, aten.add.Tensor, aten.add.Scalar)
-                    and isinstance(add_eps.args[1], (int, float))):
-                continue
-            rsqrt = _only_user(add_eps)
-            if not _is(rsqrt, aten.rsqrt.default):
+            add_eps, rsqrt = _plus_eps_rsqrt(mean)
+            if rsqrt is None:
                 continue
             normed = _only_user(rsqrt)
             if not _is(normed, aten.mul.Tensor):
@@ -240,6 +236,16 @@ def match_rmsnorm(h: Node) -> tuple[Node, Node, float, list[Node]] | None:
     return None
 
 
+def _plus_eps_rsqrt(node: Node) -> tuple[Node | None, Node | None]:
+    """(the add, the rsqrt) when ``node``'s only use is ``rsqrt(node + eps)`` with a constant eps."""
+    add_eps = _only_user(node)
+    if _is(add_eps, aten.add.Tensor, aten.add.Scalar) and isinstance(add_eps.args[1], (int, float)):
+        rsqrt = _only_user(add_eps)
+        if _is(rsqrt, aten.rsqrt.default):
+            return add_eps, rsqrt
+    return None, None
+
+
 def _last_dim(dims, node: Node) -> bool:
     return list(dims) in ([-1], [_val(node).dim() - 1])
 
@@ -258,12 +264,8 @@ def match_layernorm(h: Node) -> tuple[Node, Node, float, object, list[Node]] | N
             subs = [u for u in _users(c, aten.sub.Tensor) if u.args[:2] == (c, mean)]
             if var is None or mean is None or len(subs) != 1 or len(mean.users) != 1:
                 continue
-            add_eps = _only_user(var)
-            if not (_is(add_eps, aten.add.Tensor, aten.add.Scalar)
-                    and isinstance(add_eps.args[1], (int, float))):
-                continue
-            rsqrt = _only_user(add_eps)
-            normed = _only_user(rsqrt) if _is(rsqrt, aten.rsqrt.default) else None
+            add_eps, rsqrt = _plus_eps_rsqrt(var)
+            normed = _only_user(rsqrt) if rsqrt is not None else None
             if not (_is(normed, aten.mul.Tensor) and set(normed.args[:2]) == {subs[0], rsqrt}):
                 continue
             scaled = _only_user(normed)

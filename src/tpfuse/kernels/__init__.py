@@ -29,3 +29,9 @@ def kernels_usable(device: torch.device) -> bool:
     if device.type == "cuda":
         return not interpreter_enabled()
     return device.type == "cpu" and interpreter_enabled()
+
+
+if interpreter_enabled() and triton_installed():  # CPU runs of any kernel get the GPU's semantics
+    from tpfuse.kernels import interpreter
+
+    interpreter.install()

@@ -12,6 +12,10 @@ instead, whose typed loop moves whole aligned words. Other accesses keep Triton'
 The kernels bound every wait with the GPU's nanosecond timer (``protocol._now``, inline assembly),
 which the interpreter cannot run; here it reads the host's monotonic clock instead, so the bound
 holds in wall time on the CPU too.
+
+And the interpreter truncates float32 -> bfloat16 (1.99 becomes 1.984375 where a GPU gives 1.9921875):
+here it rounds to nearest even, as GPUs do, so CPU results are the GPU's to the bit (the fp8 wire's
+error bound counts on it).
 """
 
 from __future__ import annotations
@@ -51,9 +55,19 @@ class _AsmCall:
         return self._result
 
 
+def _float32_to_bfloat16(data: np.ndarray) -> np.ndarray:
+    """Round to nearest even, as ``cvt.rn.bf16.f32`` does (NaN stays a quiet NaN)."""
+    data = np.asarray(data, np.float32)
+    bits = np.ascontiguousarray(data).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    quiet = ((bits >> 16) | np.uint32(0x40)).astype(np.uint16)
+    return np.where(np.isnan(data), quiet, rounded)
+
+
 def install() -> None:
     """Route the interpreter's 16-bit loads and stores of contiguous words through whole-word copies,
-    and serve the kernels' timer reads (``%globaltimer``) from ``time.monotonic_ns``.
+    serve the kernels' timer reads (``%globaltimer``) from ``time.monotonic_ns``, and round float32 ->
+    bfloat16 to nearest even.
 
     Idempotent. Only affects Triton's interpreter (``TRITON_INTERPRET=1``); compiled kernels are
     untouched.
@@ -100,7 +114,15 @@ def install() -> None:
 
         return _AsmCall(interpreter.TensorHandle(np.array([time.monotonic_ns()], np.int64), tl.int64))
 
-    triton_inline_asm = builder.create_inline_asm
+    def cast_impl(self, src, dst_type):
+        import triton.language as tl
+
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(_float32_to_bfloat16(src.data), tl.bfloat16)
+        return triton_cast(self, src, dst_type)
+
+    triton_inline_asm, triton_cast = builder.create_inline_asm, builder.cast_impl
+    builder.cast_impl = cast_impl
     builder.create_masked_load = create_masked_load
     builder.create_masked_store = create_masked_store
     builder.create_inline_asm = create_inline_asm

@@ -35,10 +35,12 @@ FLAG_BF16, FLAG_FP16, FLAG_RESIDUAL, FLAG_QUANT, FLAG_TWOSHOT = 1, 2, 4, 8, 16
 #: Epilogue bits (``kernels.epilogue.Epilogue.flags``).
 FLAG_BIAS, FLAG_SUM_NORM, FLAG_LAYER_NORM, FLAG_NORM_BIAS = 32, 64, 128, 256
 FLAG_DYNAMIC_TOKEN, FLAG_DYNAMIC_GROUP = 512, 1024
+#: The two-shot's fp8 wire (``kernels.wire``).
+FLAG_FP8_WIRE = 2048
 _FLAG_WORDS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYER_NORM, "LayerNorm"),
                (FLAG_NORM_BIAS, "norm bias"), (FLAG_QUANT, "fp8 output"),
                (FLAG_DYNAMIC_TOKEN, "fp8 output scaled per token"),
-               (FLAG_DYNAMIC_GROUP, "fp8 output scaled per group"))
+               (FLAG_DYNAMIC_GROUP, "fp8 output scaled per group"), (FLAG_FP8_WIRE, "fp8 wire"))
 
 
 def buffer_elems(region_elems: int, world_size: int) -> int:

@@ -56,6 +56,7 @@ def kernel_arguments(
     quant_scale: torch.Tensor | None,
     epilogue: Epilogue,
     twoshot: bool,
+    wire: bool = False,
 ) -> tuple[tuple, dict]:
     """Both kernels' leading positional arguments, in order, and the flags that follow from them.
 
@@ -81,7 +82,7 @@ def kernel_arguments(
     flags = dict(HAS_RESIDUAL=residual is not None, **epilogue.constexprs(hidden, quant_scale is not None),
                  DEADLINE_GIVEN=not on_gpu,
                  DESC_FLAGS=call_flags(x.dtype, residual is not None, quant_scale is not None, twoshot)
-                 | epilogue.flags(hidden))
+                 | epilogue.flags(hidden) | (layout.FLAG_FP8_WIRE if wire else 0))
     return args, flags
 
 

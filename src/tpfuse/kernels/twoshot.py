@@ -17,6 +17,11 @@ result once (reduce-scatter, then all-gather), still without a barrier round tri
              and only h travels (the same bytes per rank as a one-shot at W = 2, 2(W-1)/W of a row
              instead of W-1 rows above)
 
+With the fp8 wire (``WIRE``, opt-in: ``kernels/wire.py``) x and the reduced sum travel as fp8 codes
+with a scale per block of 128, about half the bytes: the owner quantises its own x as well, sends the
+sum (before bias, post-norm and residual) and decodes it as the peers do, and every rank applies the
+rest of the epilogue to the decoded sum, so all ranks still agree bit for bit.
+
 Words in our slot come from peers of the same call only (x rows we own, h rows they own), so the
 slot rotation, clearing and extent of the one-shot hold unchanged, and calls of the two kernels
 may follow each other in any order. A program waits only for the same program of its peers, which
@@ -32,8 +37,10 @@ import triton.language as tl
 from tpfuse.kernels.epilogue import PLAIN, Epilogue, _before_residual, _load_params, _store_normed
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (_check_peers, _clear_slot, _descriptors, _finish_call, _multiple_of_8,
-                                     _nan_bits, _peer_base, _sendable, _sendable_bits, _slots, _start_clock,
-                                     _sum_in_rank_order, _wait_row, kernel_arguments, launch_config)
+                                     _nan_bits, _peer_base, _poisoned, _sendable, _sendable_bits, _slots,
+                                     _start_clock, _sum_in_rank_order, _wait_row, kernel_arguments,
+                                     launch_config)
+from tpfuse.kernels.wire import _WIRE_BLOCK, _decode, _encode, wire_supported
 
 
 @triton.jit
@@ -53,8 +60,42 @@ def _store_h_and_normed(h_bits, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row,
 
 
 @triton.jit
+def _wire_places(row, hidden, BLOCK_H: tl.constexpr):
+    """Where a row's code words and exponent words sit in a region on the fp8 wire, and their masks
+    (``wire.wire_row_words``). Written so that the compiler sees multiples of 8 words: 16-byte accesses
+    (hidden is a multiple of 128 here)."""
+    half = hidden // 16 * 8
+    blocks = hidden // _WIRE_BLOCK
+    base = row.to(tl.int64) * (half + (blocks + 7) // 8 * 8)
+    w = tl.arange(0, BLOCK_H // 2)
+    g = tl.arange(0, BLOCK_H // _WIRE_BLOCK)
+    return base + w, w < half, base + half + g, g < blocks
+
+
+@triton.jit
+def _send_wire(region, row, hidden, words, exponents, BLOCK_H: tl.constexpr):
+    word_at, word_mask, exp_at, exp_mask = _wire_places(row, hidden, BLOCK_H)
+    tl.store(region + word_at, words, mask=word_mask)
+    tl.store(region + exp_at, exponents, mask=exp_mask)
+
+
+@triton.jit
+def _wait_wire(region, row, hidden, deadline, BLOCK_H: tl.constexpr):
+    """A row on the fp8 wire, decoded, once it has arrived (or the deadline passed): (row, missing)."""
+    word_at, word_mask, exp_at, exp_mask = _wire_places(row, hidden, BLOCK_H)
+    words, missing = _wait_row(region + word_at, word_mask, deadline)
+    exponents, missing_exp = _wait_row(region + exp_at, exp_mask, deadline)
+    return _decode(words, exponents, BLOCK_H), missing | missing_exp
+
+
+@triton.jit
+def _x_row(x_ptr, offs, mask):
+    return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, last, cols, mask,
-             RANK: tl.constexpr, WORLD: tl.constexpr):
+             RANK: tl.constexpr, WORLD: tl.constexpr, WIRE: tl.constexpr, BLOCK_H: tl.constexpr):
     """Send this program's rows first..last-1 (its own numbering) that another rank owns, to that owner."""
     i = first
     while i < last:
@@ -62,9 +103,45 @@ def _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, la
         owner = _owner(row, n_programs, WORLD)
         if owner != RANK:
             offs = row.to(tl.int64) * hidden + cols
-            tl.store(_peer_base(peer_ptrs_ptr, owner) + send_base + offs, _sendable_bits(x_ptr, offs, mask),
-                     mask=mask)
+            if WIRE:
+                words, exponents = _encode(_x_row(x_ptr, offs, mask), BLOCK_H)
+                _send_wire(_peer_base(peer_ptrs_ptr, owner) + send_base, row, hidden, words, exponents,
+                           BLOCK_H)
+            else:
+                tl.store(_peer_base(peer_ptrs_ptr, owner) + send_base + offs,
+                         _sendable_bits(x_ptr, offs, mask), mask=mask)
         i += 1
+
+
+@triton.jit
+def _sum_wire_in_rank_order(x_ptr, offs, mask, own_slot, region_elems, row, hidden, deadline, failed,
+                            RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """fp32 sum of one row over the ranks, in rank order, each rank's x as the fp8 wire carries it (ours
+    quantised here too); NaN once the call failed. Returns (sum, failed)."""
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        if r == RANK:
+            words, exponents = _encode(_x_row(x_ptr, offs, mask), BLOCK_H)
+            part = _decode(words, exponents, BLOCK_H)
+        else:
+            part, missing = _wait_wire(own_slot + r * region_elems, row, hidden, deadline, BLOCK_H)
+            failed |= missing
+        acc += part
+    return _poisoned(acc, failed), failed
+
+
+@triton.jit
+def _store_from_sum(s, residual_ptr, b, sw, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row, offs, mask,
+                    hidden, eps, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SUM_NORM: tl.constexpr,
+                    LAYER_NORM: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    """From the decoded sum of a row on the fp8 wire: the rest of the epilogue, h and y (every rank alike)."""
+    h = _before_residual(s, b, sw, hidden, eps, HAS_BIAS, SUM_NORM)
+    if HAS_RESIDUAL:
+        h += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h_bits = h.to(h_ptr.dtype.element_ty).to(tl.int16, bitcast=True)
+    _store_h_and_normed(h_bits, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden, eps,
+                        LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
 
 
 @triton.jit
@@ -72,12 +149,26 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, peer
                   send_base, w, b, sw, nb, hidden, region_elems, eps, n_programs, pid, first, last, cols,
                   mask, deadline, failed, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
                   HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SUM_NORM: tl.constexpr,
-                  LAYER_NORM: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr):
-    """For the rows among first..last-1 we own: wait for the peers' x, reduce, send the rounded h to all."""
+                  LAYER_NORM: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                  WIRE: tl.constexpr):
+    """For the rows among first..last-1 we own: wait for the peers' x, reduce, send the rounded h to all
+    (on the fp8 wire: the sum, as codes)."""
     i = first
     while i < last:
         row = pid + i * n_programs
-        if _owner(row, n_programs, WORLD) == RANK:
+        if _owner(row, n_programs, WORLD) == RANK and WIRE:
+            offs = row.to(tl.int64) * hidden + cols
+            acc, failed = _sum_wire_in_rank_order(x_ptr, offs, mask, own_slot, region_elems, row, hidden,
+                                                  deadline, failed, RANK, WORLD, BLOCK_H)
+            words, exponents = _encode(acc, BLOCK_H)
+            for r in tl.static_range(WORLD):
+                if r != RANK:
+                    _send_wire(_peer_base(peer_ptrs_ptr, r) + send_base, row, hidden, words, exponents,
+                               BLOCK_H)
+            _store_from_sum(_decode(words, exponents, BLOCK_H), residual_ptr, b, sw, w, nb, y_ptr, h_ptr,
+                            scale_ptr, scales_ptr, row, offs, mask, hidden, eps, HAS_RESIDUAL, HAS_BIAS,
+                            SUM_NORM, LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
+        elif _owner(row, n_programs, WORLD) == RANK:
             offs = row.to(tl.int64) * hidden + cols
             if HAS_RESIDUAL:
                 res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -98,16 +189,25 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, peer
 
 
 @triton.jit
-def _gather_others(y_ptr, h_ptr, scale_ptr, scales_ptr, own_slot, w, nb, hidden, region_elems, eps,
-                   n_programs, pid, first, last, cols, mask, deadline, failed, WORLD: tl.constexpr,
-                   RANK: tl.constexpr, BLOCK_H: tl.constexpr, LAYER_NORM: tl.constexpr, QUANT: tl.constexpr,
-                   SCALE_GROUP: tl.constexpr):
-    """For the rows among first..last-1 others own: wait for the owner's h, then store h and y."""
+def _gather_others(residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, own_slot, w, b, sw, nb, hidden,
+                   region_elems, eps, n_programs, pid, first, last, cols, mask, deadline, failed,
+                   WORLD: tl.constexpr, RANK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, SUM_NORM: tl.constexpr, LAYER_NORM: tl.constexpr,
+                   QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr, WIRE: tl.constexpr):
+    """For the rows among first..last-1 others own: wait for the owner's h (on the fp8 wire: its sum),
+    then store h and y."""
     i = first
     while i < last:
         row = pid + i * n_programs
         owner = _owner(row, n_programs, WORLD)
-        if owner != RANK:
+        if owner != RANK and WIRE:
+            offs = row.to(tl.int64) * hidden + cols
+            s, missing = _wait_wire(own_slot + owner * region_elems, row, hidden, deadline, BLOCK_H)
+            failed |= missing
+            _store_from_sum(_poisoned(s, failed), residual_ptr, b, sw, w, nb, y_ptr, h_ptr, scale_ptr,
+                            scales_ptr, row, offs, mask, hidden, eps, HAS_RESIDUAL, HAS_BIAS, SUM_NORM,
+                            LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
+        elif owner != RANK:
             offs = row.to(tl.int64) * hidden + cols
             h_bits, missing = _wait_row(own_slot + owner * region_elems + offs, mask, deadline)
             failed |= missing
@@ -152,6 +252,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     DEADLINE_GIVEN: tl.constexpr,
     DESC_FLAGS: tl.constexpr,
     GROUPED: tl.constexpr,
+    WIRE: tl.constexpr,
 ):
     hidden = _multiple_of_8(hidden)  # both checked by kernel_arguments
     region_elems = _multiple_of_8(region_elems)
@@ -175,7 +276,8 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     last = my_rows
     if GROUPED:
         last = tl.minimum(group_rows, my_rows)
-    _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, last, cols, mask, RANK, WORLD)
+    _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, last, cols, mask, RANK, WORLD,
+             WIRE, BLOCK_H)
     _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
     w, b, sw, nb = _load_params(weight_ptr, bias_ptr, sum_weight_ptr, norm_bias_ptr, cols, mask, HAS_BIAS,
@@ -187,14 +289,15 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
         if GROUPED:
             after = tl.minimum(last + group_rows, my_rows)
             _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, last, after, cols, mask,
-                     RANK, WORLD)
+                     RANK, WORLD, WIRE, BLOCK_H)
         failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, peer_ptrs_ptr,
                                own_slot, send_base, w, b, sw, nb, hidden, region_elems, eps, n_programs, pid,
                                first, last, cols, mask, deadline, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL,
-                               HAS_BIAS, SUM_NORM, LAYER_NORM, QUANT, SCALE_GROUP)
-        failed = _gather_others(y_ptr, h_ptr, scale_ptr, scales_ptr, own_slot, w, nb, hidden, region_elems,
-                                eps, n_programs, pid, first, last, cols, mask, deadline, failed, WORLD, RANK,
-                                BLOCK_H, LAYER_NORM, QUANT, SCALE_GROUP)
+                               HAS_BIAS, SUM_NORM, LAYER_NORM, QUANT, SCALE_GROUP, WIRE)
+        failed = _gather_others(residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, own_slot, w, b, sw, nb,
+                                hidden, region_elems, eps, n_programs, pid, first, last, cols, mask, deadline,
+                                failed, WORLD, RANK, BLOCK_H, HAS_RESIDUAL, HAS_BIAS, SUM_NORM, LAYER_NORM,
+                                QUANT, SCALE_GROUP, WIRE)
         first = last
         last = after
     _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_programs, True)
@@ -219,18 +322,22 @@ def twoshot_allreduce_add_rmsnorm(
     quant_scale: torch.Tensor | None = None,
     epilogue: Epilogue = PLAIN,
     group_rows: int = GROUP_ROWS,
+    wire: bool = False,
 ) -> None:
     """Launch the two-shot kernel: writes ``y`` and ``h``. Same contract as the one-shot launcher.
 
     ``group_rows``: rows a program scatters ahead of the ones it reduces and gathers; programs with
-    no more rows than that, and :data:`ALL_ROWS`, take all of their rows as one group.
+    no more rows than that, and :data:`ALL_ROWS`, take all of their rows as one group. ``wire``: the
+    fp8 wire (``kernels/wire.py``; hidden a multiple of 128).
     """
     n_tokens, hidden = x.shape
-    args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale, epilogue, twoshot=True)
+    assert not wire or wire_supported(hidden), hidden
+    args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale, epilogue, twoshot=True,
+                                   wire=wire)
     block_h, num_warps, use_pdl = launch_config(hidden, x.device)
     programs = min(n_tokens, ctx.max_programs)
     _twoshot_allreduce_add_rmsnorm_kernel[(programs,)](
         *args, group_rows, RANK=ctx.rank, WORLD=ctx.world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
-        GROUPED=group_rows != ALL_ROWS and n_tokens > group_rows * programs,
+        GROUPED=group_rows != ALL_ROWS and n_tokens > group_rows * programs, WIRE=wire,
         num_warps=num_warps, launch_pdl=use_pdl,
     )

@@ -1,0 +1,81 @@
+"""The two-shot's opt-in fp8 wire: rows travel as float8_e4m3fn codes with a power-of-two scale per block.
+
+A row of H values takes H / 2 words of two fp8 codes each, then H / WIRE_BLOCK words that each hold a
+block's scale exponent (``value = code * 2**e``), padded to a multiple of 8 so that every row starts on
+16 bytes and moves in 16-byte accesses. The exponent makes the block's largest magnitude less
+than 256 (e4m3 reaches 448), so no code saturates, and a power of two scales exactly, on every rank.
+A code of -0.0 (0x80) is sent as +0.0, so no word is the sentinel (0x8000 would need a high byte of
+0x80), and exponent words are small positive numbers: arrival is detected from the data, as for bf16.
+
+Error: each quantisation changes a value by at most half a unit in e4m3's last place (2**-4 of it,
+relative) or, below the block's normal range, by 2**(e - 10); the two-shot quantises each rank's x
+and the reduced sum, so ``|h - h_exact| <= 2**-4 * (sum_r |x_r| + |s|) + 2**(e_x - 10) * W + 2**(e_s -
+10)`` before h is rounded to its dtype (``wire_error_bound`` computes it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpfuse.kernels.fp8 import e4m3fn_bits_to_fp32, fp32_to_e4m3fn_bits
+
+#: Elements that share a scale.
+WIRE_BLOCK = 128
+_WIRE_BLOCK = tl.constexpr(WIRE_BLOCK)
+_EXPONENT_BIAS = tl.constexpr(512)  # exponent words are e + 512: 386..639, never the sentinel
+
+
+def wire_supported(hidden: int) -> bool:
+    """Whether rows of ``hidden`` can travel as fp8 (whole blocks only)."""
+    return hidden % WIRE_BLOCK == 0
+
+
+def wire_row_words(hidden: int) -> int:
+    """16-bit words one row takes on the fp8 wire (the kernels' ``_wire_places``)."""
+    return hidden // 2 + (hidden // WIRE_BLOCK + 7) // 8 * 8
+
+
+def block_exponents(v: torch.Tensor) -> torch.Tensor:
+    """The scale exponent of each block of ``v`` [..., H] (float32 in, int32 out): as the kernels pick it."""
+    amax = v.float().abs().unflatten(-1, (-1, WIRE_BLOCK)).amax(-1)
+    exponent = ((amax.view(torch.int32) >> 23) & 0xFF) - 127 - 7
+    return exponent.clamp(-120, 120)
+
+
+def wire_error_bound(xs: list[torch.Tensor], reduced: torch.Tensor) -> torch.Tensor:
+    """Elementwise bound on |sum - exact sum| of the fp8 wire (see the module's docstring), float64."""
+    total = sum(x.double().abs() for x in xs) * 2.0 ** -4 + reduced.double().abs() * 2.0 ** -4
+
+    def floor_term(v):  # below the normal range a code moves by 2**(e - 10)
+        return (2.0 ** (block_exponents(v).double() - 10)).repeat_interleave(WIRE_BLOCK, dim=-1)
+
+    return total + sum(floor_term(x) for x in xs) + floor_term(reduced)
+
+
+@triton.jit
+def _encode(v, BLOCK_H: tl.constexpr):
+    """An fp32 row [BLOCK_H] (masked columns zero) as (code words [BLOCK_H // 2], exponent words
+    [BLOCK_H // WIRE_BLOCK]), both int16."""
+    blocks = tl.reshape(v, [BLOCK_H // _WIRE_BLOCK, _WIRE_BLOCK])
+    amax = tl.max(tl.abs(blocks), axis=1)
+    exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 7  # amax / 2**e < 256
+    exponent = tl.minimum(tl.maximum(exponent, -120), 120)  # 2**e and 2**-e stay normal floats
+    inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+    codes = fp32_to_e4m3fn_bits(tl.clamp(blocks * inverse[:, None], -448.0, 448.0)).to(tl.int32)
+    codes = tl.where(codes == 0x80, 0, codes)  # -0.0 as +0.0: no word can be the sentinel
+    low, high = tl.split(tl.reshape(codes, [BLOCK_H // 2, 2]))
+    words = (low | (high << 8)).to(tl.int16)
+    return words, (exponent + _EXPONENT_BIAS).to(tl.int16)
+
+
+@triton.jit
+def _decode(words, exponents, BLOCK_H: tl.constexpr):
+    """The fp32 row of :func:`_encode`'s words, exactly. Exponent words of masked blocks may be 0."""
+    w = words.to(tl.int32) & 0xFFFF
+    codes = tl.reshape(tl.join(w & 0xFF, w >> 8), [BLOCK_H])
+    exponent = tl.minimum(tl.maximum(exponents.to(tl.int32) - _EXPONENT_BIAS, -126), 127)
+    scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    values = tl.reshape(e4m3fn_bits_to_fp32(codes), [BLOCK_H // _WIRE_BLOCK, _WIRE_BLOCK])
+    return tl.reshape(values * scale[:, None], [BLOCK_H])
