@@ -20,6 +20,7 @@ def _tiny_e2e(rank, world_size):
     )
 
 
+@pytest.mark.extended  # the harness also checks itself on GPUs (logit differences, fused calls per row)
 def test_e2e_bench_runs_fuses_and_matches(rank_pool):
     rows = rank_pool(2).run(_tiny_e2e)[0]
     assert [r["workload"] for r in rows] == ["decode b2", "prefill 6"]
@@ -67,6 +68,7 @@ def _tiny_hf_e2e(rank, world_size, path):
                        iters=1, mode=None)
 
 
+@pytest.mark.extended
 def test_hf_e2e_bench_runs_fuses_and_matches(rank_pool, tmp_path):
     rows = rank_pool(2).run(_tiny_hf_e2e, str(tmp_path / "hf"), timeout=900)[0]
     assert [r["workload"] for r in rows] == ["decode b2", "prefill 6"]
