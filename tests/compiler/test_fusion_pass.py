@@ -48,7 +48,8 @@ def _llama(rank, world_size, backend, norm_style, all_reduce_style, mode=None):
 @pytest.mark.parametrize("backend", BACKENDS)
 # The gpt-fast and torch norm styles are also the real clients' (test_clients.py): extended lane in CI.
 @pytest.mark.parametrize("norm_style,all_reduce_style",
-                         [("hf", "functional"), pytest.param("gptfast", "inplace", marks=pytest.mark.extended),
+                         [("hf", "functional"),
+                          pytest.param("gptfast", "inplace", marks=pytest.mark.extended),
                           pytest.param("torch", "functional", marks=pytest.mark.extended)])
 def test_every_site_of_a_tp_llama_is_fused_below_the_limit(rank_pool, backend, norm_style, all_reduce_style):
     results = rank_pool(2, backend).run(_llama, backend, norm_style, all_reduce_style, timeout=900)

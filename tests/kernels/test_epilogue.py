@@ -76,14 +76,10 @@ def test_every_step_compiled_on_one_gpu(algorithm):
     from tpfuse.kernels import layout
     from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
     from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+    from tpfuse.testing import lone_launch_context
 
     device = torch.device("cuda")
-    region = 16 * 4096
-    buffer = torch.full((layout.buffer_elems(region, 1),), layout.SENTINEL, dtype=torch.int16, device=device)
-    workspace = layout.Workspace(region, buffer, torch.tensor([buffer.data_ptr()], device=device),
-                                 torch.zeros(layout.STATE_LEN, dtype=torch.int32, device=device), [])
-    programs = torch.cuda.get_device_properties(device).multi_processor_count
-    ctx = layout.LaunchContext(workspace, 0, 1, programs, 10 * 10**9)
+    ctx = lone_launch_context(device, 16 * 4096)
     launch = oneshot_allreduce_add_rmsnorm if algorithm == "oneshot" else twoshot_allreduce_add_rmsnorm
     for case in CASES:
         inputs = case.inputs(1, device)
@@ -96,4 +92,4 @@ def test_every_step_compiled_on_one_gpu(algorithm):
         launch(ctx, x, inputs["residual"], inputs["weight"], case.eps, y, h, inputs["quant_scale"],
                case.epilogue(inputs, scales))
         check_results(case, 1, [(y, h) + ((scales,) if scales is not None else ())])
-    assert workspace.state[layout.STATE_ERROR].item() == 0
+    assert ctx.workspace.state[layout.STATE_ERROR].item() == 0

@@ -49,7 +49,7 @@ def _calls(rank, world_size, backend, cases):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fp8_wire_within_its_bound_and_bit_identical(rank_pool, backend, world_size):
     from tpfuse.kernels.reference import fused_reference_float64
-    from tpfuse.kernels.wire import wire_error_bound
+    from tpfuse.kernels.wire import wire_error_bound, wire_sum
 
     results = rank_pool(world_size, backend).run(_calls, backend, CASES)
     for i, case in enumerate(CASES):
@@ -62,6 +62,10 @@ def test_fp8_wire_within_its_bound_and_bit_identical(rank_pool, backend, world_s
             y, h = res["outputs"][i]
             assert torch.equal(y.view(torch.uint8), y0.view(torch.uint8))
             assert torch.equal(h.view(torch.uint8), h0.view(torch.uint8))
+        # Exactly what the wire's definition gives (kernels.wire.wire_sum, then the epilogue in fp32).
+        if not (case.sum_norm or case.layer_norm):
+            expected = wire_sum(inputs["xs"]) + (inputs["residual"].float() if case.residual else 0)
+            assert torch.equal(h0, expected.to(case.dtype)), case
         error = (h0.double() - h_ref).abs()
         if not case.sum_norm:  # h = sum (+ bias) (+ residual): the sum's error, then h's rounding
             bound = wire_error_bound(inputs["xs"], reduced) + h_ref.abs() * 2.0 ** -8
@@ -91,3 +95,25 @@ def _refused(rank, world_size):
 def test_compress_choices_are_checked(rank_pool):
     for errors in rank_pool(2).run(_refused):
         assert "unknown compress 'fp4'" in errors[0] and "needs the triton backend" in errors[1], errors
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_wire_encoding_compiled_on_one_gpu():
+    # A group of one still quantises its own x and the sum: the wire's arithmetic as the GPU compiles
+    # it (reshapes into blocks, code pairs split and joined), bit-exact with its definition.
+    from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+    from tpfuse.kernels.wire import wire_sum
+    from tpfuse.testing import lone_launch_context
+
+    device = torch.device("cuda")
+    ctx = lone_launch_context(device, 16 * 1024)
+    for case in CASES:
+        inputs = _scaled(case, case.inputs(1, device))
+        x = inputs["xs"][0]
+        y, h = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+        twoshot_allreduce_add_rmsnorm(ctx, x, inputs["residual"], inputs["weight"], case.eps, y, h,
+                                      epilogue=case.epilogue(inputs), wire=True)
+        if not (case.sum_norm or case.layer_norm):
+            expected = wire_sum([x.cpu()]) + (inputs["residual"].float().cpu() if case.residual else 0)
+            assert torch.equal(h.cpu(), expected.to(case.dtype)), case
+        assert not h.isnan().any() and not y.isnan().any(), case

@@ -44,6 +44,23 @@ def block_exponents(v: torch.Tensor) -> torch.Tensor:
     return exponent.clamp(-120, 120)
 
 
+def wire_roundtrip(v: torch.Tensor) -> torch.Tensor:
+    """What a float32 row [..., H] becomes on the fp8 wire, exactly (the kernels' ``_encode`` then
+    ``_decode``, in torch)."""
+    v = v.float()
+    scale = torch.pow(2.0, block_exponents(v).float()).repeat_interleave(WIRE_BLOCK, dim=-1)
+    return (v / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+
+
+def wire_sum(xs: list[torch.Tensor]) -> torch.Tensor:
+    """The reduced sum every rank decodes on the fp8 wire: each x through the wire, summed in rank order
+    in float32, the sum through the wire again. Bit-exact with the kernels."""
+    total = torch.zeros_like(xs[0], dtype=torch.float32)
+    for x in xs:
+        total = total + wire_roundtrip(x)
+    return wire_roundtrip(total)
+
+
 def wire_error_bound(xs: list[torch.Tensor], reduced: torch.Tensor) -> torch.Tensor:
     """Elementwise bound on |sum - exact sum| of the fp8 wire (see the module's docstring), float64."""
     total = sum(x.double().abs() for x in xs) * 2.0 ** -4 + reduced.double().abs() * 2.0 ** -4

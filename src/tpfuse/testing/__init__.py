@@ -65,6 +65,21 @@ def rank_backends() -> list[str]:
     return ["gloo"] + (["nccl"] if two_gpus else [])
 
 
+def lone_launch_context(device, region_elems: int):
+    """A :class:`tpfuse.kernels.layout.LaunchContext` for a group of one on ``device``: no peer to
+    exchange with, but the kernels run their own arithmetic as the device compiles it (on one GPU)."""
+    import torch
+
+    from tpfuse.kernels import layout
+
+    buffer = torch.full((layout.buffer_elems(region_elems, 1),), layout.SENTINEL, dtype=torch.int16,
+                        device=device)
+    workspace = layout.Workspace(region_elems, buffer, torch.tensor([buffer.data_ptr()], device=device),
+                                 torch.zeros(layout.STATE_LEN, dtype=torch.int32, device=device), [])
+    programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return layout.LaunchContext(workspace, 0, 1, programs, 10 * 10**9)
+
+
 def rank_device(backend: str, rank: int):
     """The device rank ``rank`` of a pool works on: GPU ``rank`` under NCCL, else the CPU."""
     import torch
