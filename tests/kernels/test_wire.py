@@ -26,7 +26,7 @@ CASES = [
 def _scaled(case, inputs):
     """Inputs whose magnitudes span 2**-12 .. 2**6 from block to block."""
     spread = 2.0 ** torch.linspace(-12, 6, case.hidden // 128).repeat_interleave(128)
-    inputs["xs"] = [(x.float() * spread).to(case.dtype) for x in inputs["xs"]]
+    inputs["xs"] = [(x.float() * spread.to(x.device)).to(case.dtype) for x in inputs["xs"]]
     return inputs
 
 
