@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels import layout
-from tpfuse.kernels.fp8 import fp32_to_e4m3fn_bits
+from tpfuse.kernels.fp8 import to_e4m3fn_bits
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 #: Smallest dynamic fp8 scale: a row (or group) of zeros quantises to zeros, never to NaN.
@@ -160,4 +160,4 @@ def _store_normed(h, w, nb, y_ptr, scale_ptr, scales_ptr, row, offs, mask, hidde
             per_row = hidden // SCALE_GROUP
             tl.store(scales_ptr + row.to(tl.int64) * per_row + g, scale, mask=g < per_row)
             y = tl.reshape(tl.clamp(groups / scale[:, None], -_FP8_MAX, _FP8_MAX), [BLOCK_H])
-        tl.store(y_ptr + offs, fp32_to_e4m3fn_bits(y), mask=mask)
+        tl.store(y_ptr + offs, to_e4m3fn_bits(y), mask=mask)

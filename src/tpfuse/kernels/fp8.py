@@ -1,12 +1,38 @@
-"""float32 -> float8_e4m3fn bit conversion in integer arithmetic.
+"""float32 <-> float8_e4m3fn codes: the GPU's own conversions, and the same in integer arithmetic.
 
 Triton's CPU interpreter converts to fp8 incorrectly (no carry into the exponent, no round-to-even,
-subnormals flushed), so the kernels convert by hand, identically on GPU and CPU: round to nearest
-even, subnormals kept. The input must already be clamped to [-448, 448].
+subnormals flushed), so there the kernels convert by hand: round to nearest even, subnormals kept,
+exact decoding. On a GPU :func:`to_e4m3fn_bits` and :func:`from_e4m3fn_bits` are Hopper's conversion
+instructions (``cvt.rn.satfinite.e4m3x2.f32`` and back), which give the same codes and values
+(``tests/kernels/test_fp8.py`` checks both against torch). Inputs to fp8 must already be clamped to
+[-448, 448].
 """
+
+import os
 
 import triton
 import triton.language as tl
+
+# Decided at import, as Triton decides between compiling and interpreting.
+_GPU = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def to_e4m3fn_bits(y):
+    """Clamped float32 -> float8_e4m3fn codes (uint8)."""
+    if _GPU:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        return fp32_to_e4m3fn_bits(y)
+
+
+@triton.jit
+def from_e4m3fn_bits(bits):
+    """float8_e4m3fn codes (any integer type) -> float32, exactly."""
+    if _GPU:
+        return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return e4m3fn_bits_to_fp32(bits)
 
 
 @triton.jit
@@ -44,17 +70,17 @@ def e4m3fn_bits_to_fp32(bits):
 def _to_e4m3fn_kernel(x_ptr, q_ptr, n, BLOCK: tl.constexpr):
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     y = tl.clamp(tl.load(x_ptr + c, mask=c < n), -448.0, 448.0)
-    tl.store(q_ptr + c, fp32_to_e4m3fn_bits(y), mask=c < n)
+    tl.store(q_ptr + c, to_e4m3fn_bits(y), mask=c < n)
 
 
 @triton.jit
 def _from_e4m3fn_kernel(q_ptr, x_ptr, n, BLOCK: tl.constexpr):
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(x_ptr + c, e4m3fn_bits_to_fp32(tl.load(q_ptr + c, mask=c < n)), mask=c < n)
+    tl.store(x_ptr + c, from_e4m3fn_bits(tl.load(q_ptr + c, mask=c < n)), mask=c < n)
 
 
 def from_e4m3fn(q):
-    """float8_e4m3fn -> float32 through :func:`e4m3fn_bits_to_fp32` (checks it against torch)."""
+    """float8_e4m3fn -> float32 through :func:`from_e4m3fn_bits` (checks it against torch)."""
     import torch
 
     flat = q.contiguous().view(-1).view(torch.uint8)
@@ -64,7 +90,7 @@ def from_e4m3fn(q):
 
 
 def to_e4m3fn(x):
-    """Saturating float32 -> float8_e4m3fn through :func:`fp32_to_e4m3fn_bits` (checks it against torch)."""
+    """Saturating float32 -> float8_e4m3fn through :func:`to_e4m3fn_bits` (checks it against torch)."""
     import torch
 
     flat = x.contiguous().view(-1)

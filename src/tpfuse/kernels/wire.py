@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.fp8 import e4m3fn_bits_to_fp32, fp32_to_e4m3fn_bits
+from tpfuse.kernels.fp8 import from_e4m3fn_bits, to_e4m3fn_bits
 
 #: Elements that share a scale.
 WIRE_BLOCK = 128
@@ -80,7 +80,7 @@ def _encode(v, BLOCK_H: tl.constexpr):
     exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 7  # amax / 2**e < 256
     exponent = tl.minimum(tl.maximum(exponent, -120), 120)  # 2**e and 2**-e stay normal floats
     inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
-    codes = fp32_to_e4m3fn_bits(tl.clamp(blocks * inverse[:, None], -448.0, 448.0)).to(tl.int32)
+    codes = to_e4m3fn_bits(tl.clamp(blocks * inverse[:, None], -448.0, 448.0)).to(tl.int32)
     codes = tl.where(codes == 0x80, 0, codes)  # -0.0 as +0.0: no word can be the sentinel
     low, high = tl.split(tl.reshape(codes, [BLOCK_H // 2, 2]))
     words = (low | (high << 8)).to(tl.int16)
@@ -94,5 +94,5 @@ def _decode(words, exponents, BLOCK_H: tl.constexpr):
     codes = tl.reshape(tl.join(w & 0xFF, w >> 8), [BLOCK_H])
     exponent = tl.minimum(tl.maximum(exponents.to(tl.int32) - _EXPONENT_BIAS, -126), 127)
     scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-    values = tl.reshape(e4m3fn_bits_to_fp32(codes), [BLOCK_H // _WIRE_BLOCK, _WIRE_BLOCK])
+    values = tl.reshape(from_e4m3fn_bits(codes), [BLOCK_H // _WIRE_BLOCK, _WIRE_BLOCK])
     return tl.reshape(values * scale[:, None], [BLOCK_H])
