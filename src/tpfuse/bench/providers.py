@@ -7,7 +7,7 @@ all-reduces, dynamic fp8) where it has them:
 - ``tpfuse``: the op as users call it (the algorithm the table picks);
 - ``tpfuse:oneshot`` / ``tpfuse:twoshot``: one algorithm, forced;
 - ``tpfuse:<variant>``: a launch variant of the one-shot (:data:`ONESHOT_VARIANTS`) or of the two-shot
-  (:data:`TWOSHOT_GROUPS`), docs/kernel-notes.md;
+  (:data:`TWOSHOT_GROUPS`), docs/kernel-notes.md; ``tpfuse:twoshot_fp8``: the two-shot on the fp8 wire;
 - ``nccl+norm``: the group's all-reduce plus a compiled add + RMSNorm (the unfused model);
 - ``symm_oneshot+norm``: torch symmetric memory's one-shot all-reduce plus the same norm;
 - ``fi_oneshot`` / ``fi_twoshot``: FlashInfer's fused kernel, when importable (plain epilogue only);
@@ -167,7 +167,9 @@ class Providers:
                 out[name] = launcher(twoshot_allreduce_add_rmsnorm)
             elif name.startswith("tpfuse:"):
                 key = name.split(":", 1)[1]
-                if key in TWOSHOT_GROUPS:
+                if key == "twoshot_fp8":  # the two-shot on the fp8 wire (kernels/wire.py)
+                    out[name] = launcher(twoshot_allreduce_add_rmsnorm, wire=True)
+                elif key in TWOSHOT_GROUPS:
                     out[name] = launcher(twoshot_allreduce_add_rmsnorm, group_rows=TWOSHOT_GROUPS[key])
                 else:
                     variant = OneShotVariant(**ONESHOT_VARIANTS[key])
