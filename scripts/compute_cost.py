@@ -1,0 +1,70 @@
+"""What the kernels' own arithmetic costs, on one GPU: a group of one has no peer, so nothing travels and
+what is left is loads, stores and math. Two tables: the epilogue's steps (``bench kernel --epilogue``
+names) in the one-shot and the two-shot, and the two-shot exact against the fp8 wire (which quantises
+its own x and the sum and decodes both even alone). CUDA graphs of 10 calls, median of 7 batches.
+
+Usage: PYTHONPATH=src python3 scripts/compute_cost.py (docs/kernel-notes.md has the numbers).
+"""
+
+import torch
+
+from tpfuse.bench.providers import EPILOGUES, epilogue_case
+from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
+from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+from tpfuse.testing import lone_launch_context
+
+CALLS_PER_GRAPH, REPLAYS, BATCHES = 10, 5, 7
+
+
+def replay_us(call) -> float:
+    """Median microseconds per call over batches of CUDA-graph replays."""
+    for _ in range(5):
+        call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            call()
+    times = []
+    for _ in range(BATCHES):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / (REPLAYS * CALLS_PER_GRAPH))
+    return sorted(times)[BATCHES // 2]
+
+
+def timed(launch, ctx, case, **kwargs) -> float:
+    inputs = case.inputs(1, ctx.workspace.buffer.device)
+    x = inputs["xs"][0]
+    dynamic = case.scale_group > 0
+    y = torch.empty(x.shape, dtype=torch.float8_e4m3fn if dynamic else x.dtype, device=x.device)
+    h = torch.empty_like(x)
+    scales = torch.empty(case.tokens, case.hidden // case.scale_group, device=x.device) if dynamic else None
+    epilogue = case.epilogue(inputs, scales)
+    return replay_us(lambda: launch(ctx, x, inputs["residual"], inputs["weight"], case.eps, y, h,
+                                    epilogue=epilogue, **kwargs))
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    ctx = lone_launch_context(device, 8192 * 8192)
+    names = [name for name in EPILOGUES if name != "two_branches"]  # its kernel is "layernorm"'s
+    print("epilogue steps, us (one GPU, no peer): " + " ".join(f"{n:>12}" for n in names))
+    for launch, tokens in ((oneshot_allreduce_add_rmsnorm, (1, 8, 64)),
+                           (twoshot_allreduce_add_rmsnorm, (1024, 4096))):
+        for hidden in (4096, 8192):
+            for n in tokens:
+                cells = " ".join(f"{timed(launch, ctx, epilogue_case(name, n, hidden)):>12.2f}" for name in names)
+                print(f"{launch.__name__[:7]:>8} {n:>5} x {hidden:<5} {cells}")
+    print("\nthe fp8 wire, us (one GPU, no peer)")
+    for tokens, hidden in ((512, 8192), (4096, 4096), (8192, 4096), (8192, 8192)):
+        case = epilogue_case("plain", tokens, hidden)
+        exact, wire = (timed(twoshot_allreduce_add_rmsnorm, ctx, case, wire=w) for w in (False, True))
+        print(f"{tokens} x {hidden}: exact {exact:.1f}, fp8 wire {wire:.1f}")
+
+
+if __name__ == "__main__":
+    main()
