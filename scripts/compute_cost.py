@@ -57,7 +57,8 @@ def main() -> None:
                            (twoshot_allreduce_add_rmsnorm, (1024, 4096))):
         for hidden in (4096, 8192):
             for n in tokens:
-                cells = " ".join(f"{timed(launch, ctx, epilogue_case(name, n, hidden)):>12.2f}" for name in names)
+                times = [timed(launch, ctx, epilogue_case(name, n, hidden)) for name in names]
+                cells = " ".join(f"{t:>12.2f}" for t in times)
                 print(f"{launch.__name__[:7]:>8} {n:>5} x {hidden:<5} {cells}")
     print("\nthe fp8 wire, us (one GPU, no peer)")
     for tokens, hidden in ((512, 8192), (4096, 4096), (8192, 4096), (8192, 8192)):
