@@ -50,9 +50,10 @@ def _token_ids(batch, seq, vocab=256):
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(batch * 1000 + seq))
 
 
-def _assert_fused(results, sites, calls_per_run=None, patterns=None):
+def _assert_fused(results, sites, calls_per_run=None, patterns=None, tolerance=2e-2):
     """Every one of ``sites`` all-reduces fused (by ``patterns``, when given, in site order) into
-    ``calls_per_run`` kernel calls (default: one a site) for token counts below the limit, none above."""
+    ``calls_per_run`` kernel calls (default: one a site) for token counts below the limit, none above;
+    logits within ``tolerance`` of the largest."""
     for runs, compiles, reports in results:
         assert compiles == {"fused": 1, "plain": 1}, compiles  # one graph per range, batch and seq dynamic
         assert len(reports) == 1 and len(reports[0]) == sites, reports
@@ -61,7 +62,7 @@ def _assert_fused(results, sites, calls_per_run=None, patterns=None):
             assert [line.split("fused (")[1].rstrip(")") for line in reports[0]] == patterns, reports
         for (batch, seq), diff, calls in runs:
             assert calls == ((calls_per_run or sites) if batch * seq <= LIMIT else 0), (batch, seq, calls)
-            assert diff < 2e-2, (batch, seq, diff)  # of the largest logit; bf16 models
+            assert diff < tolerance, (batch, seq, diff)  # of the largest logit; bf16 models
 
 
 # --- Hugging Face transformers, tp_plan="auto" -------------------------------------------------------
@@ -100,19 +101,21 @@ def test_hugging_face_tp_plan_auto(rank_pool, tmp_path, arch):
 # (scaled by sqrt(hidden)) and its post-norms before each residual add; Phi-2's attention and MLP that
 # read the same LayerNorm and add both all-reduced outputs, each with its bias, to the residual (GPT-NeoX's
 # parallel residual is the same) as one all-reduce; StarCoder2's biases and LayerNorm.
+# Gemma rounds its post-norm to bf16 before the residual add, which the fused op does not (it rounds h
+# once): its logits differ by 1.5e-2 of the largest here, so it gets 3e-2 (a wrong fusion is O(1)).
 FAMILIES = {
-    "Gemma2": (5, 5, ["AllReduceScaledRMSNorm"] + ["AllReducePostNormAddRMSNorm"] * 4),
-    "Phi": (4, 2, ["TwoAllReducesBiasAddLayerNorm"] * 4),
-    "Starcoder2": (5, 5, ["AllReduceLayerNorm"] + ["AllReduceBiasAddLayerNorm"] * 4),
+    "Gemma2": (5, 5, ["AllReduceScaledRMSNorm"] + ["AllReducePostNormAddRMSNorm"] * 4, 3e-2),
+    "Phi": (4, 2, ["TwoAllReducesBiasAddLayerNorm"] * 4, 2e-2),
+    "Starcoder2": (5, 5, ["AllReduceLayerNorm"] + ["AllReduceBiasAddLayerNorm"] * 4, 2e-2),
 }
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_hugging_face_families_with_other_block_ends(rank_pool, tmp_path, arch):
-    sites, calls, patterns = FAMILIES[arch]
+    sites, calls, patterns, tolerance = FAMILIES[arch]
     pool = rank_pool(2)
     pool.run(_save_hf_model, arch, str(tmp_path))
-    _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900), sites, calls, patterns)
+    _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900), sites, calls, patterns, tolerance)
 
 
 # --- torch parallelize_module (torchtitan's plain tensor parallelism) ----------------------------------
