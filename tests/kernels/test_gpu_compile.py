@@ -17,7 +17,7 @@ POINTERS = {"x_ptr": "*{dt}", "residual_ptr": "*{dt}", "weight_ptr": "*{dt}", "y
             "norm_bias_ptr": "*{dt}", "scales_ptr": "*fp32", "peer_ptrs_ptr": "*i64", "state_ptr": "*i32"}
 SCALARS = {"n_tokens": "i32", "hidden": "i32", "region_elems": "i32", "eps": "fp32", "wait_limit": "i64",
            "pushers": "i32", "group_rows": "i32"}
-ONESHOT = dict(CLEAR_FIRST=True, RELAXED_ARRIVE=True, SPLIT_PUSH=False, PUSH_CHUNKS=1)
+ONESHOT = dict(CLEAR_FIRST=True, RELAXED_ARRIVE=True, SPLIT_PUSH=False, PUSH_CHUNKS=1, X_FIRST=False)
 STATIC_FP8 = dict(QUANT=1)
 # The epilogue's steps (kernels/epilogue.py): Phi's bias + LayerNorm, Gemma's post-norm, dynamic fp8.
 LAYER_NORM = dict(HAS_BIAS=True, LAYER_NORM=True, HAS_NORM_BIAS=True)
@@ -31,6 +31,9 @@ SHAPES = [
     ("oneshot", 4, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, CLEAR_FIRST=False,
                                 RELAXED_ARRIVE=False)),
     ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, SPLIT_PUSH=True, PUSH_CHUNKS=4, BLOCK_C=2048)),
+    ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, SPLIT_PUSH=True, PUSH_CHUNKS=4, BLOCK_C=2048,
+                                X_FIRST=True)),
+    ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=4096, BLOCK_C=4096, n_tokens=1, X_FIRST=True)),
     ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, **LAYER_NORM)),
     ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=4096, BLOCK_C=4096, **GEMMA_PER_GROUP)),
     ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, QUANT=2)),

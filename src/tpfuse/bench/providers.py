@@ -35,6 +35,8 @@ ONESHOT_VARIANTS = {
     "no_split_push": dict(split_push_words=0),
     # Chunks of 4096 words: two a row of 7168 or 8192, so 32 such rows fit the grid of an H200.
     "split_push_4k": dict(split_push_words=4096),
+    # The first chunk of x loaded before the state vector, so the two loads' latencies overlap.
+    "x_first": dict(x_first=True),
 }
 # Two-shot variants "tpfuse:<name>": rows a program scatters ahead of the ones it reduces and gathers
 # (the default is twoshot.GROUP_ROWS; 0 is twoshot.ALL_ROWS, one group of all of a program's rows).

@@ -36,19 +36,35 @@ import triton.language as tl
 from tpfuse.kernels.epilogue import PLAIN, Epilogue, _before_residual, _load_params, _store_normed
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (_check_peers, _clear_slot, _descriptors, _finish_call, _multiple_of_8,
-                                     _peer_base, _sendable_bits, _slots, _start_clock, _sum_in_rank_order,
-                                     kernel_arguments, launch_config)
+                                     _pdl_start, _peer_base, _sendable_bits, _slots, _start_clock,
+                                     _sum_in_rank_order, kernel_arguments, launch_config)
 
 
 @triton.jit
-def _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, first, step,
-                 RANK: tl.constexpr, WORLD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+def _chunk_offsets(chunk, hidden, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(offsets into x, mask) of chunk ``chunk``: a row is CHUNKS chunks of BLOCK_C words."""
+    cols = (chunk % CHUNKS) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return (chunk // CHUNKS).to(tl.int64) * hidden + cols, cols < hidden
+
+
+@triton.jit
+def _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, first, step, first_bits,
+                 RANK: tl.constexpr, WORLD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
+                 PRELOADED: tl.constexpr):
     """Store chunks first, first + step, ... of x into every peer's buffer (not our own).
 
     A row is CHUNKS chunks of BLOCK_C words, numbered row by row; with CHUNKS = 1 a chunk is a row.
+    PRELOADED: ``first_bits`` already holds chunk ``first`` (loaded before the state vector).
     """
     ccols = tl.arange(0, BLOCK_C)
     chunk = first
+    if PRELOADED:
+        if chunk < n_tokens * CHUNKS:
+            offs, mask = _chunk_offsets(chunk, hidden, CHUNKS, BLOCK_C)
+            for r in tl.static_range(WORLD):
+                if r != RANK:
+                    tl.store(_peer_base(peer_ptrs_ptr, r) + dst_base + offs, first_bits, mask=mask)
+        chunk += step
     while chunk < n_tokens * CHUNKS:
         cols = (chunk % CHUNKS) * BLOCK_C + ccols
         mask = cols < hidden
@@ -71,12 +87,24 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     HAS_NORM_BIAS: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr,
     USE_PDL: tl.constexpr, DEADLINE_GIVEN: tl.constexpr, DESC_FLAGS: tl.constexpr,
     CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr,
-    SPLIT_PUSH: tl.constexpr, PUSH_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
+    SPLIT_PUSH: tl.constexpr, PUSH_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr, X_FIRST: tl.constexpr,
 ):
     hidden = _multiple_of_8(hidden)  # both checked by kernel_arguments
     region_elems = _multiple_of_8(region_elems)
-    call, slot, slot_base, prev_slot, prev_extent = _slots(state_ptr, region_elems, WORLD, USE_PDL)
     pid = tl.program_id(0)
+    if X_FIRST:
+        # The push's data does not depend on the state vector, only its destination does: load this
+        # program's first chunk of x before the state, so the two latencies overlap.
+        _pdl_start(USE_PDL)
+        pushes = n_tokens * PUSH_CHUNKS
+        if SPLIT_PUSH:
+            pushes = tl.minimum(pushes, pushers)
+        first_offs, first_mask = _chunk_offsets(pid, hidden, PUSH_CHUNKS, BLOCK_C)
+        first_bits = _sendable_bits(x_ptr, first_offs, first_mask & (pid < pushes))
+        call, slot, slot_base, prev_slot, prev_extent = _slots(state_ptr, region_elems, WORLD, False)
+    else:
+        first_bits = tl.zeros([BLOCK_C], tl.int16)
+        call, slot, slot_base, prev_slot, prev_extent = _slots(state_ptr, region_elems, WORLD, USE_PDL)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -91,16 +119,16 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         # programs in order, has pushed everything before any program waits.
         first_row = pid - pushers
         if first_row < 0:
-            _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, pid, pushers, RANK, WORLD,
-                         PUSH_CHUNKS, BLOCK_C)
+            _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, pid, pushers, first_bits, RANK,
+                         WORLD, PUSH_CHUNKS, BLOCK_C, X_FIRST)
             first_row = n_tokens  # nothing to reduce
         row_step = n_programs - pushers
     else:
         # Rows are dealt to programs round-robin, identically on every rank (same grid everywhere), so
         # a program only ever waits for rows that the same program of a peer pushes. Push all our rows
         # first: everything is in flight before the first wait.
-        _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, pid, n_programs, RANK, WORLD, 1,
-                     BLOCK_H)
+        _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, pid, n_programs, first_bits, RANK,
+                     WORLD, PUSH_CHUNKS, BLOCK_C, X_FIRST)
         first_row = pid
         row_step = n_programs
     if CLEAR_FIRST:  # the previous slot is ours alone until our next call: clear it while data flies
@@ -139,9 +167,12 @@ class OneShotVariant:
     clear_first: bool = True  # clear the previous slot before waiting instead of after
     relaxed_arrive: bool = True  # relaxed instead of acq_rel atomic for the arrival count
     split_push_words: int = 2048  # > 0: where split_push_programs allows, chunks of this many words
+    x_first: bool = False  # load the first chunk of x to push before the state vector (not measured yet)
 
 
 DEFAULT_VARIANT = OneShotVariant()
+
+
 def split_push_programs(n_tokens: int, hidden: int, programs: int, max_programs: int, words: int) -> int:
     """Programs that only push x, one a chunk of ``words``, or 0 when the push stays with the row programs.
 
@@ -188,6 +219,6 @@ def oneshot_allreduce_add_rmsnorm(
     _oneshot_allreduce_add_rmsnorm_kernel[(pushers + programs,)](
         *args, pushers, RANK=ctx.rank, WORLD=ctx.world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
         CLEAR_FIRST=variant.clear_first, RELAXED_ARRIVE=variant.relaxed_arrive,
-        SPLIT_PUSH=pushers > 0, PUSH_CHUNKS=push_chunks, BLOCK_C=block_c,
+        SPLIT_PUSH=pushers > 0, PUSH_CHUNKS=push_chunks, BLOCK_C=block_c, X_FIRST=variant.x_first,
         num_warps=num_warps, launch_pdl=use_pdl,
     )

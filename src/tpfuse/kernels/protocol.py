@@ -136,17 +136,23 @@ def _desc_base(slot, region_elems, WORLD: tl.constexpr):
 
 
 @triton.jit
+def _pdl_start(USE_PDL: tl.constexpr):
+    """With programmatic dependent launch (USE_PDL) the kernel was launched early: wait until the
+    previous kernel's writes, the state vector and x included, are visible, then let the next kernel
+    launch early too. Before any load."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
 def _slots(state_ptr, region_elems, WORLD: tl.constexpr, USE_PDL: tl.constexpr):
     """(call, slot, slot_base, prev_slot, prev_extent): this call's number and slot, where the slot
     starts, the previous call's slot and how many words a rank wrote into it.
 
-    Every kernel starts here. With programmatic dependent launch (USE_PDL) it was launched early, so
-    it first waits until the previous kernel's writes, the state vector and x included, are visible,
-    and then lets the next kernel launch early too.
+    Every kernel starts here (after :func:`_pdl_start` when it does so itself: USE_PDL False then).
     """
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    _pdl_start(USE_PDL)
     call = tl.load(state_ptr + _STATE_CALL)
     slot = call % _NUM_SLOTS
     prev_slot = (call + _NUM_SLOTS - 1) % _NUM_SLOTS

@@ -1,0 +1,86 @@
+"""Two ranks on one GPU: the one-shot's whole protocol (descriptors, push, polls, clear, arrival) with the
+peers' buffers in the same GPU's memory instead of across NVLink, for comparing launch variants where
+only one GPU is lent. Both ranks' kernels run at once (two streams, one CUDA graph of 10 steps, median
+of 7 batches); each step's outputs are checked against float64 and across the ranks first. Local memory
+is nearer than a peer over NVLink, so absolute times are lower than on two GPUs: only the difference
+between variants carries over, and that still wants confirming on two GPUs.
+
+Usage: PYTHONPATH=src python3 scripts/loopback_latency.py
+"""
+
+import torch
+
+from tpfuse.bench.providers import ONESHOT_VARIANTS
+from tpfuse.kernels import layout
+from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
+from tpfuse.testing.cases import Case, check_results
+
+WORLD, CALLS_PER_GRAPH, REPLAYS, BATCHES = 2, 10, 20, 7
+
+
+def loopback_contexts(device: torch.device, region_elems: int) -> list[layout.LaunchContext]:
+    """One launch context per rank; every rank's buffer on ``device``, each rank's grid resident."""
+    buffers = [torch.full((layout.buffer_elems(region_elems, WORLD),), layout.SENTINEL, dtype=torch.int16,
+                          device=device) for _ in range(WORLD)]
+    peer_ptrs = torch.tensor([b.data_ptr() for b in buffers], device=device)
+    programs = torch.cuda.get_device_properties(device).multi_processor_count // WORLD
+    return [layout.LaunchContext(layout.Workspace(region_elems, buffers[r], peer_ptrs,
+                                                  torch.zeros(layout.STATE_LEN, dtype=torch.int32, device=device),
+                                                  []), r, WORLD, programs, 10 * 10**9) for r in range(WORLD)]
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    contexts = loopback_contexts(device, 64 * 8192)
+    streams = [torch.cuda.Stream() for _ in range(WORLD)]
+    variants = {"default": OneShotVariant(), **{k: OneShotVariant(**v) for k, v in ONESHOT_VARIANTS.items()}}
+    print(f"{'tokens x hidden':>16} " + " ".join(f"{name:>14}" for name in variants))
+    for hidden in (4096, 8192):
+        for tokens in (1, 8, 64):
+            case = Case(tokens, hidden, seed=tokens)
+            inputs = case.inputs(WORLD, device)
+            outputs = [(torch.empty_like(x), torch.empty_like(x)) for x in inputs["xs"]]
+            cells = []
+            for variant in variants.values():
+                def step(variant=variant):
+                    here = torch.cuda.current_stream()
+                    for r in range(WORLD):
+                        streams[r].wait_stream(here)
+                        with torch.cuda.stream(streams[r]):
+                            oneshot_allreduce_add_rmsnorm(contexts[r], inputs["xs"][r], inputs["residual"],
+                                                          inputs["weight"], case.eps, *outputs[r], variant=variant)
+                    for stream in streams:
+                        here.wait_stream(stream)
+
+                for y, h in outputs:
+                    y.fill_(float("nan"))
+                    h.fill_(float("nan"))
+                step()
+                torch.cuda.synchronize()
+                check_results(case, WORLD, [(y.cpu(), h.cpu()) for y, h in outputs], inputs)
+                cells.append(replay_us(step))
+            print(f"{tokens:>7} x {hidden:<6} " + " ".join(f"{t:>14.2f}" for t in cells))
+
+
+def replay_us(step) -> float:
+    """Median microseconds per step over batches of CUDA-graph replays."""
+    for _ in range(3):
+        step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            step()
+    times = []
+    for _ in range(BATCHES):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / (REPLAYS * CALLS_PER_GRAPH))
+    return sorted(times)[BATCHES // 2]
+
+
+if __name__ == "__main__":
+    main()
