@@ -24,9 +24,9 @@ def loopback_contexts(device: torch.device, region_elems: int) -> list[layout.La
                           device=device) for _ in range(WORLD)]
     peer_ptrs = torch.tensor([b.data_ptr() for b in buffers], device=device)
     programs = torch.cuda.get_device_properties(device).multi_processor_count // WORLD
-    return [layout.LaunchContext(layout.Workspace(region_elems, buffers[r], peer_ptrs,
-                                                  torch.zeros(layout.STATE_LEN, dtype=torch.int32, device=device),
-                                                  []), r, WORLD, programs, 10 * 10**9) for r in range(WORLD)]
+    states = [torch.zeros(layout.STATE_LEN, dtype=torch.int32, device=device) for _ in range(WORLD)]
+    return [layout.LaunchContext(layout.Workspace(region_elems, buffers[r], peer_ptrs, states[r], []), r,
+                                 WORLD, programs, 10 * 10**9) for r in range(WORLD)]
 
 
 def main() -> None:
@@ -48,7 +48,8 @@ def main() -> None:
                         streams[r].wait_stream(here)
                         with torch.cuda.stream(streams[r]):
                             oneshot_allreduce_add_rmsnorm(contexts[r], inputs["xs"][r], inputs["residual"],
-                                                          inputs["weight"], case.eps, *outputs[r], variant=variant)
+                                                          inputs["weight"], case.eps, *outputs[r],
+                                                          variant=variant)
                     for stream in streams:
                         here.wait_stream(stream)
 
@@ -57,6 +58,8 @@ def main() -> None:
                     h.fill_(float("nan"))
                 step()
                 torch.cuda.synchronize()
+                states = [c.workspace.state.tolist() for c in contexts]
+                assert all(state[layout.STATE_ERROR] == 0 for state in states), states
                 check_results(case, WORLD, [(y.cpu(), h.cpu()) for y, h in outputs], inputs)
                 cells.append(replay_us(step))
             print(f"{tokens:>7} x {hidden:<6} " + " ".join(f"{t:>14.2f}" for t in cells))
