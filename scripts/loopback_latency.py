@@ -41,7 +41,7 @@ def main() -> None:
             inputs = case.inputs(WORLD, device)
             outputs = [(torch.empty_like(x), torch.empty_like(x)) for x in inputs["xs"]]
             cells = []
-            for variant in variants.values():
+            for name, variant in variants.items():
                 def step(variant=variant):
                     here = torch.cuda.current_stream()
                     for r in range(WORLD):
@@ -70,7 +70,7 @@ def main() -> None:
                 step()
                 torch.cuda.synchronize()
                 states = [c.workspace.state.tolist() for c in contexts]
-                assert all(state[layout.STATE_ERROR] == 0 for state in states), states
+                assert all(state[layout.STATE_ERROR] == 0 for state in states), (name, case, states)
                 check_results(case, WORLD, [(y.cpu(), h.cpu()) for y, h in outputs], inputs)
                 cells.append(replay_us(step))
             print(f"{tokens:>7} x {hidden:<6} " + " ".join(f"{t:>14.2f}" for t in cells))
