@@ -26,7 +26,7 @@ def loopback_contexts(device: torch.device, region_elems: int) -> list[layout.La
     programs = torch.cuda.get_device_properties(device).multi_processor_count // WORLD
     states = [torch.zeros(layout.STATE_LEN, dtype=torch.int32, device=device) for _ in range(WORLD)]
     return [layout.LaunchContext(layout.Workspace(region_elems, buffers[r], peer_ptrs, states[r], []), r,
-                                 WORLD, programs, 10 * 10**9) for r in range(WORLD)]
+                                 WORLD, programs, 2 * 10**9) for r in range(WORLD)]
 
 
 def main() -> None:
@@ -55,13 +55,14 @@ def main() -> None:
 
                 # Loading a new kernel waits for the device to be idle, so each rank's first launch of a
                 # variant would wait out the other's compile: compile both with a short bound first (the
-                # call fails), then start the workspace afresh.
+                # call may fail), then start the workspace afresh. Both bounds fit an int32: Triton
+                # compiles an int64 argument apart, which would load new kernels again.
                 for ctx in contexts:
                     ctx.wait_limit_ns = 10**6
                 step()
                 torch.cuda.synchronize()
                 for ctx in contexts:
-                    ctx.wait_limit_ns = 10 * 10**9
+                    ctx.wait_limit_ns = 2 * 10**9
                     ctx.workspace.buffer.fill_(layout.SENTINEL)
                     ctx.workspace.state.zero_()
                 for y, h in outputs:
