@@ -117,7 +117,7 @@ fi
 if [ "$MODE" = variants ]; then
   # One-shot launch variants (docs/kernel-notes.md) beside the default and FlashInfer, one process.
   timeout 300 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --tokens 1,8,16,32,64,96,128,256 \
-    --providers tpfuse:oneshot,tpfuse:no_split_push,tpfuse:split_push_4k,flashinfer \
+    --providers tpfuse:oneshot,tpfuse:no_split_push,tpfuse:split_push_4k,tpfuse:x_first,flashinfer \
     --out "$OUT" > "$OUT/variants.log" 2>&1 || status=1
   grep -A30 "^hidden tokens" "$OUT/variants.log"
   # Two-shot: rows scattered a group ahead (docs/kernel-notes.md, "Two-shot").
