@@ -1,7 +1,8 @@
 """What the kernels' own arithmetic costs, on one GPU: a group of one has no peer, so nothing travels and
 what is left is loads, stores and math. Two tables: the epilogue's steps (``bench kernel --epilogue``
 names) in the one-shot and the two-shot, and the two-shot exact against the fp8 wire (which quantises
-its own x and the sum and decodes both even alone). CUDA graphs of 10 calls, median of 7 batches.
+its own x and the sum and decodes both even alone). CUDA graphs of 10 calls, median of 7 batches
+(``bench.timing.graph_replay_us``).
 
 Usage: PYTHONPATH=src python3 scripts/compute_cost.py (docs/kernel-notes.md has the numbers).
 """
@@ -9,31 +10,10 @@ Usage: PYTHONPATH=src python3 scripts/compute_cost.py (docs/kernel-notes.md has 
 import torch
 
 from tpfuse.bench.providers import EPILOGUES, epilogue_case
+from tpfuse.bench.timing import graph_replay_us
 from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
 from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
 from tpfuse.testing import lone_launch_context
-
-CALLS_PER_GRAPH, REPLAYS, BATCHES = 10, 5, 7
-
-
-def replay_us(call) -> float:
-    """Median microseconds per call over batches of CUDA-graph replays."""
-    for _ in range(5):
-        call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            call()
-    times = []
-    for _ in range(BATCHES):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPLAYS):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / (REPLAYS * CALLS_PER_GRAPH))
-    return sorted(times)[BATCHES // 2]
 
 
 def timed(launch, ctx, case, **kwargs) -> float:
@@ -44,7 +24,7 @@ def timed(launch, ctx, case, **kwargs) -> float:
     h = torch.empty_like(x)
     scales = torch.empty(case.tokens, case.hidden // case.scale_group, device=x.device) if dynamic else None
     epilogue = case.epilogue(inputs, scales)
-    return replay_us(lambda: launch(ctx, x, inputs["residual"], inputs["weight"], case.eps, y, h,
+    return graph_replay_us(lambda: launch(ctx, x, inputs["residual"], inputs["weight"], case.eps, y, h,
                                     epilogue=epilogue, **kwargs))
 
 

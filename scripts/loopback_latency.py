@@ -1,9 +1,10 @@
 """Two ranks on one GPU: the one-shot's whole protocol (descriptors, push, polls, clear, arrival) with the
 peers' buffers in the same GPU's memory instead of across NVLink, for comparing launch variants where
-only one GPU is lent. Both ranks' kernels run at once (two streams, one CUDA graph of 10 steps, median
-of 7 batches); each step's outputs are checked against float64 and across the ranks first. Local memory
-is nearer than a peer over NVLink, so absolute times are lower than on two GPUs: only the difference
-between variants carries over, and that still wants confirming on two GPUs.
+only one GPU is lent. Both ranks' kernels run at once (two streams; ``bench.timing.graph_replay_us``:
+one CUDA graph of 10 steps, median of 7 batches); each step's outputs are checked against float64 and
+across the ranks first. A step also holds the graph's fork and join of the two streams, so absolute
+times are not a 2-GPU call's: only the difference between variants carries over, and that still wants
+confirming on two GPUs.
 
 Usage: PYTHONPATH=src python3 scripts/loopback_latency.py
 """
@@ -11,11 +12,12 @@ Usage: PYTHONPATH=src python3 scripts/loopback_latency.py
 import torch
 
 from tpfuse.bench.providers import ONESHOT_VARIANTS
+from tpfuse.bench.timing import graph_replay_us
 from tpfuse.kernels import layout
 from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
 from tpfuse.testing.cases import Case, check_results
 
-WORLD, CALLS_PER_GRAPH, REPLAYS, BATCHES = 2, 10, 20, 7
+WORLD = 2
 
 
 def loopback_contexts(device: torch.device, region_elems: int) -> list[layout.LaunchContext]:
@@ -73,28 +75,8 @@ def main() -> None:
                 states = [c.workspace.state.tolist() for c in contexts]
                 assert all(state[layout.STATE_ERROR] == 0 for state in states), (name, case, states)
                 check_results(case, WORLD, [(y.cpu(), h.cpu()) for y, h in outputs], inputs)
-                cells.append(replay_us(step))
+                cells.append(graph_replay_us(step))
             print(f"{tokens:>7} x {hidden:<6} " + " ".join(f"{t:>14.2f}" for t in cells))
-
-
-def replay_us(step) -> float:
-    """Median microseconds per step over batches of CUDA-graph replays."""
-    for _ in range(3):
-        step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            step()
-    times = []
-    for _ in range(BATCHES):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPLAYS):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / (REPLAYS * CALLS_PER_GRAPH))
-    return sorted(times)[BATCHES // 2]
 
 
 if __name__ == "__main__":

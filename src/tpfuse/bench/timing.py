@@ -15,7 +15,9 @@ def graph_replay_us(fn: Callable[[], object], calls_per_graph: int = 10, replays
 
     ``fn`` is captured ``calls_per_graph`` times into one CUDA graph (launch gaps shrink as in a
     real decode step); ranks start each timed batch together and report the slowest rank's time.
+    Without a process group (one process on one GPU) the same, alone.
     """
+    ranks = dist.is_available() and dist.is_initialized()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -33,7 +35,8 @@ def graph_replay_us(fn: Callable[[], object], calls_per_graph: int = 10, replays
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(repeats):
         torch.cuda.synchronize()
-        dist.barrier()
+        if ranks:
+            dist.barrier()
         start.record()
         for _ in range(replays):
             graph.replay()
@@ -41,7 +44,8 @@ def graph_replay_us(fn: Callable[[], object], calls_per_graph: int = 10, replays
         torch.cuda.synchronize()
         samples.append(start.elapsed_time(end) * 1000 / (replays * calls_per_graph))
     t = torch.tensor([sorted(samples)[len(samples) // 2]], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if ranks:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     del graph
     return t.item()
 
