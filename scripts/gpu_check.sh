@@ -123,7 +123,7 @@ if [ "$MODE" = variants ]; then
   # Two-shot: rows scattered a group ahead (docs/kernel-notes.md, "Two-shot").
   timeout 200 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --hidden 4096,8192 \
     --tokens 512,1024,2048,4096,8192 --out "$OUT/twoshot" \
-    --providers tpfuse:twoshot,tpfuse:twoshot_fp8,tpfuse:twoshot_all_rows,tpfuse:twoshot_g2,tpfuse:twoshot_g8,flashinfer \
+    --providers tpfuse:twoshot,tpfuse:twoshot_w32,tpfuse:twoshot_fp8,tpfuse:twoshot_all_rows,tpfuse:twoshot_g2,tpfuse:twoshot_g8,flashinfer \
     > "$OUT/variants-twoshot.log" 2>&1 || status=1
   grep -A12 "^hidden tokens" "$OUT/variants-twoshot.log"
   exit $status

@@ -42,6 +42,8 @@ SHAPES = [
     ("twoshot", 8, "fp16", dict(BLOCK_H=4096, GROUPED=False, WIRE=False, **STATIC_FP8)),
     ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False, **LAYER_NORM)),
     ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False, **GEMMA_PER_GROUP)),
+    # 32 warps (twoshot max_warps=32): rows of 8192 one 16-byte access a thread.
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False, num_warps=32)),
     # The fp8 wire (kernels/wire.py): its code and exponent words are not 16-byte rows.
     ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=True)),
     ("twoshot", 4, "bf16", dict(BLOCK_H=4096, GROUPED=False, WIRE=True, **LAYER_NORM)),
@@ -61,6 +63,8 @@ def _compile_all() -> None:
                "twoshot": _twoshot_allreduce_add_rmsnorm_kernel}
     for name, world, dtype, constexprs in SHAPES:
         kernel = kernels[name]
+        constexprs = dict(constexprs)
+        warps = constexprs.pop("num_warps", 16)
         flags = dict(PLAIN, RANK=world - 1, WORLD=world, HAS_RESIDUAL=True, USE_PDL=True,
                      DEADLINE_GIVEN=False, DESC_FLAGS=5, **constexprs)
         quant = flags["QUANT"] > 0
@@ -75,7 +79,7 @@ def _compile_all() -> None:
         aligned = {(i,): [["tt.divisibility", 16]]
                    for i, arg in enumerate(kernel.arg_names) if arg in POINTERS}
         compiled = triton.compile(ASTSource(kernel, signature, flags, aligned),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         ptx = compiled.asm["ptx"]
         narrow = len(re.findall(r"(?:ld|st)(?:\.volatile)?\.global\.b16", ptx))
         # The fp8 wire's exponent words (one per block of 128: a short vector, a word a thread) add a

@@ -118,3 +118,18 @@ def test_twoshot_in_groups_of_rows(rank_pool, backend, world_size, group_rows):
     results = rank_pool(world_size, backend).run(_grouped, backend, cases, group_rows)
     for i, case in enumerate(cases):
         check_results(case, world_size, [res[i] for res in results])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_thirty_two_warps_on_one_gpu():
+    # max_warps=32 (a bench variant, docs/kernel-notes.md): the same op as the default, against float64.
+    from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+    from tpfuse.testing import lone_launch_context
+
+    ctx = lone_launch_context(torch.device("cuda"), 64 * 8192)
+    for case in (Case(64, 8192, seed=1), Case(33, 7168, seed=2, residual=False), Case(40, 4096, seed=3)):
+        inputs = case.inputs(1, "cuda")
+        x = inputs["xs"][0]
+        y, h = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+        twoshot_allreduce_add_rmsnorm(ctx, x, inputs["residual"], inputs["weight"], case.eps, y, h, max_warps=32)
+        check_results(case, 1, [(y, h)])

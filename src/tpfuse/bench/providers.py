@@ -41,6 +41,8 @@ ONESHOT_VARIANTS = {
 # Two-shot variants "tpfuse:<name>": rows a program scatters ahead of the ones it reduces and gathers
 # (the default is twoshot.GROUP_ROWS; 0 is twoshot.ALL_ROWS, one group of all of a program's rows).
 TWOSHOT_GROUPS = {"twoshot_all_rows": 0, "twoshot_g2": 2, "twoshot_g8": 8}
+# Two-shot launches with up to 32 warps ("tpfuse:twoshot_w32"): rows of 8192 one 16-byte access a thread.
+TWOSHOT_MAX_WARPS = {"twoshot_w32": 32}
 
 #: ``bench kernel --epilogue``: the block ends of real models (``tpfuse.testing.cases.Case`` fields; a
 #: scale_group of -1 is one scale a token). "two_branches" all-reduces two inputs: the baselines twice,
@@ -171,6 +173,8 @@ class Providers:
                 key = name.split(":", 1)[1]
                 if key == "twoshot_fp8":  # the two-shot on the fp8 wire (kernels/wire.py)
                     out[name] = launcher(twoshot_allreduce_add_rmsnorm, wire=True)
+                elif key in TWOSHOT_MAX_WARPS:
+                    out[name] = launcher(twoshot_allreduce_add_rmsnorm, max_warps=TWOSHOT_MAX_WARPS[key])
                 elif key in TWOSHOT_GROUPS:
                     out[name] = launcher(twoshot_allreduce_add_rmsnorm, group_rows=TWOSHOT_GROUPS[key])
                 else:

@@ -36,11 +36,13 @@ _DESC_WORDS = tl.constexpr(layout.DESC_WORDS)
 MAX_WARPS = 16
 
 
-def launch_config(hidden: int, device: torch.device, pdl: bool = True) -> tuple[int, int, bool]:
-    """(BLOCK_H, num_warps, use_pdl) for rows of ``hidden`` on ``device``: 8 elements a thread; PDL
-    (programmatic dependent launch) when asked for and the GPU has it (Hopper and newer)."""
+def launch_config(hidden: int, device: torch.device, pdl: bool = True,
+                  max_warps: int = MAX_WARPS) -> tuple[int, int, bool]:
+    """(BLOCK_H, num_warps, use_pdl) for rows of ``hidden`` on ``device``: 8 elements a thread, at most
+    ``max_warps`` warps; PDL (programmatic dependent launch) when asked for and the GPU has it (Hopper
+    and newer)."""
     block_h = triton.next_power_of_2(hidden)
-    num_warps = max(1, min(MAX_WARPS, block_h // 256))
+    num_warps = max(1, min(max_warps, block_h // 256))
     use_pdl = pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     return block_h, num_warps, use_pdl
 

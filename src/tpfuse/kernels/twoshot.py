@@ -36,10 +36,10 @@ import triton.language as tl
 
 from tpfuse.kernels.epilogue import PLAIN, Epilogue, _before_residual, _load_params, _store_normed
 from tpfuse.kernels.layout import LaunchContext
-from tpfuse.kernels.protocol import (_check_peers, _clear_slot, _descriptors, _finish_call, _multiple_of_8,
-                                     _nan_bits, _peer_base, _poisoned, _sendable, _sendable_bits, _slots,
-                                     _start_clock, _sum_in_rank_order, _wait_row, kernel_arguments,
-                                     launch_config)
+from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
+                                     _multiple_of_8, _nan_bits, _peer_base, _poisoned, _sendable,
+                                     _sendable_bits, _slots, _start_clock, _sum_in_rank_order, _wait_row,
+                                     kernel_arguments, launch_config)
 from tpfuse.kernels.wire import _WIRE_BLOCK, _decode, _encode, wire_supported
 
 
@@ -323,18 +323,21 @@ def twoshot_allreduce_add_rmsnorm(
     epilogue: Epilogue = PLAIN,
     group_rows: int = GROUP_ROWS,
     wire: bool = False,
+    max_warps: int = MAX_WARPS,
 ) -> None:
     """Launch the two-shot kernel: writes ``y`` and ``h``. Same contract as the one-shot launcher.
 
     ``group_rows``: rows a program scatters ahead of the ones it reduces and gathers; programs with
     no more rows than that, and :data:`ALL_ROWS`, take all of their rows as one group. ``wire``: the
-    fp8 wire (``kernels/wire.py``; hidden a multiple of 128).
+    fp8 wire (``kernels/wire.py``; hidden a multiple of 128). ``max_warps``: 32 gives rows of 8192 one
+    16-byte access a thread per tensor (one H200 without a peer: 4096 x 8192 in 78.9 instead of 94.3 us;
+    docs/kernel-notes.md); the default stays until two GPUs measure it.
     """
     n_tokens, hidden = x.shape
     assert not wire or wire_supported(hidden), hidden
     args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale, epilogue, twoshot=True,
                                    wire=wire)
-    block_h, num_warps, use_pdl = launch_config(hidden, x.device)
+    block_h, num_warps, use_pdl = launch_config(hidden, x.device, max_warps=max_warps)
     programs = min(n_tokens, ctx.max_programs)
     _twoshot_allreduce_add_rmsnorm_kernel[(programs,)](
         *args, group_rows, RANK=ctx.rank, WORLD=ctx.world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
