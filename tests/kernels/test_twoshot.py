@@ -131,5 +131,6 @@ def test_thirty_two_warps_on_one_gpu():
         inputs = case.inputs(1, "cuda")
         x = inputs["xs"][0]
         y, h = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
-        twoshot_allreduce_add_rmsnorm(ctx, x, inputs["residual"], inputs["weight"], case.eps, y, h, max_warps=32)
+        twoshot_allreduce_add_rmsnorm(ctx, x, inputs["residual"], inputs["weight"], case.eps, y, h,
+                                      max_warps=32)
         check_results(case, 1, [(y, h)])
