@@ -37,6 +37,8 @@ ONESHOT_VARIANTS = {
     "split_push_4k": dict(split_push_words=4096),
     # The first chunk of x loaded before the state vector, so the two loads' latencies overlap.
     "x_first": dict(x_first=True),
+    # At most 8 warps (a row of 4096 is 16 elements a thread): cheaper block-wide reductions.
+    "w8": dict(max_warps=8),
 }
 # Two-shot variants "tpfuse:<name>": rows a program scatters ahead of the ones it reduces and gathers
 # (the default is twoshot.GROUP_ROWS; 0 is twoshot.ALL_ROWS, one group of all of a program's rows).

@@ -35,9 +35,9 @@ import triton.language as tl
 
 from tpfuse.kernels.epilogue import PLAIN, Epilogue, _before_residual, _load_params, _store_normed
 from tpfuse.kernels.layout import LaunchContext
-from tpfuse.kernels.protocol import (_check_peers, _clear_slot, _descriptors, _finish_call, _multiple_of_8,
-                                     _pdl_start, _peer_base, _sendable_bits, _slots, _start_clock,
-                                     _sum_in_rank_order, kernel_arguments, launch_config)
+from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
+                                     _multiple_of_8, _pdl_start, _peer_base, _sendable_bits, _slots,
+                                     _start_clock, _sum_in_rank_order, kernel_arguments, launch_config)
 
 
 @triton.jit
@@ -167,7 +167,8 @@ class OneShotVariant:
     clear_first: bool = True  # clear the previous slot before waiting instead of after
     relaxed_arrive: bool = True  # relaxed instead of acq_rel atomic for the arrival count
     split_push_words: int = 2048  # > 0: where split_push_programs allows, chunks of this many words
-    x_first: bool = False  # load the first chunk of x to push before the state vector (not measured yet)
+    x_first: bool = False  # load the first chunk of x to push before the state vector (loopback: no gain)
+    max_warps: int = MAX_WARPS  # fewer warps: more of a row a thread, cheaper block-wide reductions
 
 
 DEFAULT_VARIANT = OneShotVariant()
@@ -207,7 +208,7 @@ def oneshot_allreduce_add_rmsnorm(
     """
     n_tokens, hidden = x.shape
     args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale, epilogue, twoshot=False)
-    block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant.pdl)
+    block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant.pdl, variant.max_warps)
     # One row a program, at most max_programs (the grid must be resident). Two large rows a program
     # from 65 tokens on stopped paying once rows moved 16 bytes an access: one row a program
     # made 7168/8192 x 80-128 tokens 12-18% shorter on 2 x H200 (docs/kernel-notes.md). An empty
