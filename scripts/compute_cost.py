@@ -13,7 +13,7 @@ from tpfuse.bench.providers import EPILOGUES, epilogue_case
 from tpfuse.bench.timing import graph_replay_us
 from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
 from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
-from tpfuse.testing import lone_launch_context
+from tpfuse.testing import local_launch_contexts
 
 
 def timed(launch, ctx, case, **kwargs) -> float:
@@ -30,7 +30,7 @@ def timed(launch, ctx, case, **kwargs) -> float:
 
 def main() -> None:
     device = torch.device("cuda")
-    ctx = lone_launch_context(device, 8192 * 8192)
+    ctx = local_launch_contexts(device, 8192 * 8192)[0]
     names = [name for name in EPILOGUES if name != "two_branches"]  # its kernel is "layernorm"'s
     print("epilogue steps, us (one GPU, no peer): " + " ".join(f"{n:>12}" for n in names))
     for launch, tokens in ((oneshot_allreduce_add_rmsnorm, (1, 8, 64)),

@@ -15,25 +15,15 @@ from tpfuse.bench.providers import ONESHOT_VARIANTS
 from tpfuse.bench.timing import graph_replay_us
 from tpfuse.kernels import layout
 from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
+from tpfuse.testing import local_launch_contexts
 from tpfuse.testing.cases import Case, check_results
 
 WORLD = 2
 
 
-def loopback_contexts(device: torch.device, region_elems: int) -> list[layout.LaunchContext]:
-    """One launch context per rank; every rank's buffer on ``device``, each rank's grid resident."""
-    buffers = [torch.full((layout.buffer_elems(region_elems, WORLD),), layout.SENTINEL, dtype=torch.int16,
-                          device=device) for _ in range(WORLD)]
-    peer_ptrs = torch.tensor([b.data_ptr() for b in buffers], device=device)
-    programs = torch.cuda.get_device_properties(device).multi_processor_count // WORLD
-    states = [torch.zeros(layout.STATE_LEN, dtype=torch.int32, device=device) for _ in range(WORLD)]
-    return [layout.LaunchContext(layout.Workspace(region_elems, buffers[r], peer_ptrs, states[r], []), r,
-                                 WORLD, programs, 2 * 10**9) for r in range(WORLD)]
-
-
 def main() -> None:
     device = torch.device("cuda")
-    contexts = loopback_contexts(device, 64 * 8192)
+    contexts = local_launch_contexts(device, 64 * 8192, WORLD)
     streams = [torch.cuda.Stream() for _ in range(WORLD)]
     variants = {"default": OneShotVariant(), **{k: OneShotVariant(**v) for k, v in ONESHOT_VARIANTS.items()}}
     print(f"{'tokens x hidden':>16} " + " ".join(f"{name:>14}" for name in variants))

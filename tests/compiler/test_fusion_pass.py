@@ -28,6 +28,7 @@ SITES = 2 * LAYERS
 
 def _llama(rank, world_size, backend, norm_style, all_reduce_style, mode=None):
     device = rank_device(backend, rank)
+    tpfuse.destroy_all()  # the limit must be 16 (SMALL / LARGE), whatever an earlier test of the pool grew
     tpfuse.get_communicator(max_tokens=16, hidden=64)
     model = Transformer.build("tiny", norm_style=norm_style, all_reduce_style=all_reduce_style, device=device,
                               n_layers=LAYERS)

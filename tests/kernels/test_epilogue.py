@@ -76,10 +76,10 @@ def test_every_step_compiled_on_one_gpu(algorithm):
     from tpfuse.kernels import layout
     from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
     from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
-    from tpfuse.testing import lone_launch_context
+    from tpfuse.testing import local_launch_contexts
 
     device = torch.device("cuda")
-    ctx = lone_launch_context(device, 16 * 4096)
+    ctx = local_launch_contexts(device, 16 * 4096)[0]
     launch = oneshot_allreduce_add_rmsnorm if algorithm == "oneshot" else twoshot_allreduce_add_rmsnorm
     for case in CASES:
         inputs = case.inputs(1, device)

@@ -124,9 +124,9 @@ def test_twoshot_in_groups_of_rows(rank_pool, backend, world_size, group_rows):
 def test_thirty_two_warps_on_one_gpu():
     # max_warps=32 (a bench variant, docs/kernel-notes.md): the same op as the default, against float64.
     from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
-    from tpfuse.testing import lone_launch_context
+    from tpfuse.testing import local_launch_contexts
 
-    ctx = lone_launch_context(torch.device("cuda"), 64 * 8192)
+    ctx = local_launch_contexts(torch.device("cuda"), 64 * 8192)[0]
     for case in (Case(64, 8192, seed=1), Case(33, 7168, seed=2, residual=False), Case(40, 4096, seed=3)):
         inputs = case.inputs(1, "cuda")
         x = inputs["xs"][0]

@@ -103,10 +103,10 @@ def test_wire_encoding_compiled_on_one_gpu():
     # it (reshapes into blocks, code pairs split and joined), bit-exact with its definition.
     from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
     from tpfuse.kernels.wire import wire_sum
-    from tpfuse.testing import lone_launch_context
+    from tpfuse.testing import local_launch_contexts
 
     device = torch.device("cuda")
-    ctx = lone_launch_context(device, 16 * 1024)
+    ctx = local_launch_contexts(device, 16 * 1024)[0]
     for case in CASES:
         inputs = _scaled(case, case.inputs(1, device))
         x = inputs["xs"][0]

@@ -34,6 +34,7 @@ from torch.fx import Graph, Node
 from tpfuse import select
 from tpfuse.comm.communicator import lookup_communicator
 from tpfuse.kernels.epilogue import FP8_MAX, MIN_DYNAMIC_SCALE
+from tpfuse.kernels.reference import dynamic_fp8
 
 aten, prims = torch.ops.aten, torch.ops.prims
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
@@ -341,7 +342,7 @@ def _branch(node: object, group_name: str, reduce_op: str, hidden: int, with_bia
 
 
 def match_dynamic_fp8(y: Node, hidden: int) -> tuple[Node, Node, int, list[Node]] | None:
-    """(out, scales, elements per scale, internal nodes) of dynamic fp8 in :func:`dynamic_fp8_example`'s
+    """(out, scales, elements per scale, internal nodes) of dynamic fp8 in ``kernels.reference.dynamic_fp8``'s
     form: ``g = y.float()`` (viewed as groups or not), ``s = clamp(amax(|g|, -1) / 448, min)``,
     ``out = clamp(g / s, -448, 448).to(fp8)`` (viewed back), ``scales = s.squeeze(-1)``; or None."""
     start = _convert_to(y, torch.float32) if len(y.users) == 1 else None
@@ -664,7 +665,7 @@ class FusionPattern:
         if cls.quant == "static":
             y = (y.float() / inputs["scale"]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         elif cls.quant == "dynamic":
-            y, scales = dynamic_fp8_example(y, inputs["scale_group"])
+            y, scales = dynamic_fp8(y, inputs["scale_group"])
             return y, scales, h
         return y, h
 
@@ -677,15 +678,6 @@ def _example_rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float, gemma: b
     if gemma:
         return (normed * (1.0 + weight.float())).to(h.dtype)
     return normed.to(h.dtype) * weight
-
-
-def dynamic_fp8_example(y: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic fp8 of ``y`` [..., H] as :func:`match_dynamic_fp8` finds it: (y8 [..., H], scales
-    [..., H // group]); a group of H is a scale per token."""
-    g = y.float().unflatten(-1, (-1, group))
-    scales = (g.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_DYNAMIC_SCALE)
-    q = (g / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.flatten(-2), scales.squeeze(-1)
 
 
 def _size_source(graph: Graph, size: torch.SymInt, m: Match) -> tuple[Node, int | None] | None:

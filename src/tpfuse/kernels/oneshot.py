@@ -36,8 +36,9 @@ import triton.language as tl
 from tpfuse.kernels.epilogue import PLAIN, Epilogue, _before_residual, _load_params, _store_normed
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
-                                     _multiple_of_8, _pdl_start, _peer_base, _sendable_bits, _slots,
-                                     _start_clock, _sum_in_rank_order, kernel_arguments, launch_config)
+                                     _multiple_of_8, _pdl_start, _peer_base, _send_to_peers, _sendable_bits,
+                                     _slots, _start_clock, _sum_in_rank_order, kernel_arguments,
+                                     launch_config)
 
 
 @triton.jit
@@ -56,23 +57,15 @@ def _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, first, step, 
     A row is CHUNKS chunks of BLOCK_C words, numbered row by row; with CHUNKS = 1 a chunk is a row.
     PRELOADED: ``first_bits`` already holds chunk ``first`` (loaded before the state vector).
     """
-    ccols = tl.arange(0, BLOCK_C)
     chunk = first
     if PRELOADED:
         if chunk < n_tokens * CHUNKS:
             offs, mask = _chunk_offsets(chunk, hidden, CHUNKS, BLOCK_C)
-            for r in tl.static_range(WORLD):
-                if r != RANK:
-                    tl.store(_peer_base(peer_ptrs_ptr, r) + dst_base + offs, first_bits, mask=mask)
+            _send_to_peers(peer_ptrs_ptr, dst_base + offs, first_bits, mask, RANK, WORLD)
         chunk += step
     while chunk < n_tokens * CHUNKS:
-        cols = (chunk % CHUNKS) * BLOCK_C + ccols
-        mask = cols < hidden
-        offs = (chunk // CHUNKS).to(tl.int64) * hidden + cols
-        bits = _sendable_bits(x_ptr, offs, mask)
-        for r in tl.static_range(WORLD):
-            if r != RANK:
-                tl.store(_peer_base(peer_ptrs_ptr, r) + dst_base + offs, bits, mask=mask)
+        offs, mask = _chunk_offsets(chunk, hidden, CHUNKS, BLOCK_C)
+        _send_to_peers(peer_ptrs_ptr, dst_base + offs, _sendable_bits(x_ptr, offs, mask), mask, RANK, WORLD)
         chunk += step
 
 

@@ -126,6 +126,14 @@ def _peer_base(peer_ptrs_ptr, r):
 
 
 @triton.jit
+def _send_to_peers(peer_ptrs_ptr, at, bits, mask, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Store ``bits`` at offset ``at`` of every peer's buffer (not our own)."""
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            tl.store(_peer_base(peer_ptrs_ptr, r) + at, bits, mask=mask)
+
+
+@triton.jit
 def _slot_base(slot, region_elems, WORLD: tl.constexpr):
     """Where a slot's regions start in a rank's buffer."""
     return slot.to(tl.int64) * WORLD * region_elems
@@ -214,9 +222,7 @@ def _descriptors(peer_ptrs_ptr, slot, region_elems, n_tokens, hidden, call, pid,
     desc_slot = _desc_base(slot, region_elems, WORLD)
     if pid == 0:
         i = tl.arange(0, _DESC_WORDS)
-        for r in tl.static_range(WORLD):
-            if r != RANK:
-                tl.store(_peer_base(peer_ptrs_ptr, r) + desc_slot + RANK * _DESC_WORDS + i, desc)
+        _send_to_peers(peer_ptrs_ptr, desc_slot + RANK * _DESC_WORDS + i, desc, i < _DESC_WORDS, RANK, WORLD)
     return desc, desc_slot
 
 

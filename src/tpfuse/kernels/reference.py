@@ -37,12 +37,14 @@ def _epilogue(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
 
 
 def dynamic_fp8(y: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``y`` [T, H] as float8_e4m3fn with one scale per ``group`` elements of a row, and the scales
-    [T, H // group] (float32): ``scale = max(amax / 448, MIN_DYNAMIC_SCALE)``, ``q = y / scale``."""
+    """``y`` [..., H] as float8_e4m3fn with one scale per ``group`` elements of a row (a group of H: one
+    scale a token), and the scales [..., H // group] (float32): ``scale = max(amax / 448,
+    MIN_DYNAMIC_SCALE)``, ``q = clamp(y / scale, -448, 448)``. Also the form the compiler's dynamic fp8
+    pattern finds in a model (``compiler.patterns.match_dynamic_fp8``)."""
     groups = y.float().unflatten(-1, (-1, group))
-    scales = (groups.abs().amax(dim=-1) / FP8_MAX).clamp(min=MIN_DYNAMIC_SCALE)
-    q = (groups / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).flatten(-2).to(torch.float8_e4m3fn)
-    return q, scales
+    scales = (groups.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_DYNAMIC_SCALE)
+    q = (groups / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), scales.squeeze(-1)
 
 
 def add_rmsnorm_reference(

@@ -37,9 +37,9 @@ import triton.language as tl
 from tpfuse.kernels.epilogue import PLAIN, Epilogue, _before_residual, _load_params, _store_normed
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
-                                     _multiple_of_8, _nan_bits, _peer_base, _poisoned, _sendable,
-                                     _sendable_bits, _slots, _start_clock, _sum_in_rank_order, _wait_row,
-                                     kernel_arguments, launch_config)
+                                     _multiple_of_8, _nan_bits, _peer_base, _poisoned, _send_to_peers,
+                                     _sendable, _sendable_bits, _slots, _start_clock, _sum_in_rank_order,
+                                     _wait_row, kernel_arguments, launch_config)
 from tpfuse.kernels.wire import _WIRE_BLOCK, _decode, _encode, wire_supported
 
 
@@ -156,34 +156,33 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, peer
     i = first
     while i < last:
         row = pid + i * n_programs
-        if _owner(row, n_programs, WORLD) == RANK and WIRE:
+        if _owner(row, n_programs, WORLD) == RANK:
             offs = row.to(tl.int64) * hidden + cols
-            acc, failed = _sum_wire_in_rank_order(x_ptr, offs, mask, own_slot, region_elems, row, hidden,
-                                                  deadline, failed, RANK, WORLD, BLOCK_H)
-            words, exponents = _encode(acc, BLOCK_H)
-            for r in tl.static_range(WORLD):
-                if r != RANK:
-                    _send_wire(_peer_base(peer_ptrs_ptr, r) + send_base, row, hidden, words, exponents,
-                               BLOCK_H)
-            _store_from_sum(_decode(words, exponents, BLOCK_H), residual_ptr, b, sw, w, nb, y_ptr, h_ptr,
-                            scale_ptr, scales_ptr, row, offs, mask, hidden, eps, HAS_RESIDUAL, HAS_BIAS,
-                            SUM_NORM, LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
-        elif _owner(row, n_programs, WORLD) == RANK:
-            offs = row.to(tl.int64) * hidden + cols
-            if HAS_RESIDUAL:
-                res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            acc, failed = _sum_in_rank_order(x_ptr, _sendable_bits(x_ptr, offs, mask), own_slot, region_elems,
-                                             offs, mask, deadline, failed, RANK, WORLD, BLOCK_H)
-            acc = _before_residual(acc, b, sw, hidden, eps, HAS_BIAS, SUM_NORM)
-            if HAS_RESIDUAL:
-                acc += res
-            # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
-            h_bits = _sendable(acc.to(h_ptr.dtype.element_ty).to(tl.int16, bitcast=True))
-            for r in tl.static_range(WORLD):
-                if r != RANK:
-                    tl.store(_peer_base(peer_ptrs_ptr, r) + send_base + offs, h_bits, mask=mask)
-            _store_h_and_normed(h_bits, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden,
-                                eps, LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
+            if WIRE:
+                acc, failed = _sum_wire_in_rank_order(x_ptr, offs, mask, own_slot, region_elems, row, hidden,
+                                                      deadline, failed, RANK, WORLD, BLOCK_H)
+                words, exponents = _encode(acc, BLOCK_H)
+                for r in tl.static_range(WORLD):
+                    if r != RANK:
+                        _send_wire(_peer_base(peer_ptrs_ptr, r) + send_base, row, hidden, words, exponents,
+                                   BLOCK_H)
+                _store_from_sum(_decode(words, exponents, BLOCK_H), residual_ptr, b, sw, w, nb, y_ptr, h_ptr,
+                                scale_ptr, scales_ptr, row, offs, mask, hidden, eps, HAS_RESIDUAL, HAS_BIAS,
+                                SUM_NORM, LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
+            else:
+                if HAS_RESIDUAL:
+                    res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                acc, failed = _sum_in_rank_order(x_ptr, _sendable_bits(x_ptr, offs, mask), own_slot,
+                                                 region_elems, offs, mask, deadline, failed, RANK, WORLD,
+                                                 BLOCK_H)
+                acc = _before_residual(acc, b, sw, hidden, eps, HAS_BIAS, SUM_NORM)
+                if HAS_RESIDUAL:
+                    acc += res
+                # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
+                h_bits = _sendable(acc.to(h_ptr.dtype.element_ty).to(tl.int16, bitcast=True))
+                _send_to_peers(peer_ptrs_ptr, send_base + offs, h_bits, mask, RANK, WORLD)
+                _store_h_and_normed(h_bits, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row, offs, mask,
+                                    hidden, eps, LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
         i += 1
     return failed
 
@@ -200,20 +199,20 @@ def _gather_others(residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, own_slot, 
     while i < last:
         row = pid + i * n_programs
         owner = _owner(row, n_programs, WORLD)
-        if owner != RANK and WIRE:
+        if owner != RANK:
             offs = row.to(tl.int64) * hidden + cols
-            s, missing = _wait_wire(own_slot + owner * region_elems, row, hidden, deadline, BLOCK_H)
-            failed |= missing
-            _store_from_sum(_poisoned(s, failed), residual_ptr, b, sw, w, nb, y_ptr, h_ptr, scale_ptr,
-                            scales_ptr, row, offs, mask, hidden, eps, HAS_RESIDUAL, HAS_BIAS, SUM_NORM,
-                            LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
-        elif owner != RANK:
-            offs = row.to(tl.int64) * hidden + cols
-            h_bits, missing = _wait_row(own_slot + owner * region_elems + offs, mask, deadline)
-            failed |= missing
-            h_bits = tl.where(failed > 0, _nan_bits(h_ptr), h_bits)  # as _poisoned, for words
-            _store_h_and_normed(h_bits, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden,
-                                eps, LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
+            if WIRE:
+                s, missing = _wait_wire(own_slot + owner * region_elems, row, hidden, deadline, BLOCK_H)
+                failed |= missing
+                _store_from_sum(_poisoned(s, failed), residual_ptr, b, sw, w, nb, y_ptr, h_ptr, scale_ptr,
+                                scales_ptr, row, offs, mask, hidden, eps, HAS_RESIDUAL, HAS_BIAS, SUM_NORM,
+                                LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
+            else:
+                h_bits, missing = _wait_row(own_slot + owner * region_elems + offs, mask, deadline)
+                failed |= missing
+                h_bits = tl.where(failed > 0, _nan_bits(h_ptr), h_bits)  # as _poisoned, for words
+                _store_h_and_normed(h_bits, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row, offs, mask,
+                                    hidden, eps, LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
         i += 1
     return failed
 

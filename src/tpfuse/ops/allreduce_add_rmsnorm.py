@@ -196,10 +196,6 @@ def _run(x, residual, weight, eps, group_name, quant_scale, y, h, epilogue=PLAIN
     _stats.record("reference")
 
 
-def _epilogue(bias, sum_weight, layer_norm, norm_bias, scale_group=0, scales=None) -> Epilogue:
-    return Epilogue(bias, sum_weight, layer_norm, norm_bias, scale_group, scales)
-
-
 @torch.library.custom_op("tpfuse::allreduce_add_rmsnorm", mutates_args=())
 def _allreduce_add_rmsnorm_op(
     x: torch.Tensor,
@@ -216,7 +212,7 @@ def _allreduce_add_rmsnorm_op(
     y = torch.empty(x.shape, dtype=_output_dtype(x, quant_scale), device=x.device)
     h = torch.empty_like(x)
     _run(x, residual, weight, eps, group_name, quant_scale, y, h,
-         _epilogue(bias, sum_weight, layer_norm, norm_bias))
+         Epilogue(bias, sum_weight, layer_norm, norm_bias))
     return y, h
 
 
@@ -242,7 +238,7 @@ def _allreduce_add_rmsnorm_out_op(
     norm_bias: torch.Tensor | None = None,
 ) -> None:
     _run(x, residual, weight, eps, group_name, quant_scale, y, h,
-         _epilogue(bias, sum_weight, layer_norm, norm_bias))
+         Epilogue(bias, sum_weight, layer_norm, norm_bias))
 
 
 @_allreduce_add_rmsnorm_out_op.register_fake
@@ -266,7 +262,7 @@ def _allreduce_add_rmsnorm_dynamic_fp8_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     y, scales, h = _dynamic_fp8_outputs(x, scale_group)
     _run(x, residual, weight, eps, group_name, None, y, h,
-         _epilogue(bias, sum_weight, layer_norm, norm_bias, scale_group, scales))
+         Epilogue(bias, sum_weight, layer_norm, norm_bias, scale_group, scales))
     return y, scales, h
 
 
@@ -338,7 +334,7 @@ def allreduce_add_rmsnorm(
     (y, h) : tuple of Tensor
         The normalised output and the new residual stream.
     """
-    epilogue = _epilogue(bias, sum_weight, layer_norm, norm_bias)
+    epilogue = Epilogue(bias, sum_weight, layer_norm, norm_bias)
     check_inputs(x, residual, weight, eps, quant_scale, out, residual_out, epilogue)
     group_name = resolve_group(group).group_name
     extras = (bias, sum_weight, layer_norm, norm_bias)
@@ -379,7 +375,7 @@ def allreduce_add_rmsnorm_dynamic_fp8(
     scale_group = x.shape[-1] if scale_group is None and x.dim() == 2 else scale_group
     if not isinstance(scale_group, int) or scale_group <= 0:
         raise ValueError(f"scale_group must be a positive int (elements per scale), got {scale_group!r}")
-    epilogue = _epilogue(bias, sum_weight, layer_norm, norm_bias, scale_group)
+    epilogue = Epilogue(bias, sum_weight, layer_norm, norm_bias, scale_group)
     check_inputs(x, residual, weight, eps, None, epilogue=epilogue)
     return torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8(
         x, residual, weight, eps, resolve_group(group).group_name, scale_group, bias, sum_weight, layer_norm,

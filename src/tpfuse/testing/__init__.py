@@ -65,19 +65,25 @@ def rank_backends() -> list[str]:
     return ["gloo"] + (["nccl"] if two_gpus else [])
 
 
-def lone_launch_context(device, region_elems: int):
-    """A :class:`tpfuse.kernels.layout.LaunchContext` for a group of one on ``device``: no peer to
-    exchange with, but the kernels run their own arithmetic as the device compiles it (on one GPU)."""
+def local_launch_contexts(device, region_elems: int, world_size: int = 1) -> list:
+    """One :class:`tpfuse.kernels.layout.LaunchContext` per rank of a group whose ranks all live in this
+    process, every buffer on ``device``: a group of one runs the kernels' own arithmetic as the device
+    compiles it (no peer to exchange with); a larger group runs the whole protocol through local memory
+    when each rank's kernel is launched on a stream of its own (two ranks on one GPU). The ranks'
+    grids are resident together (the device's programs shared out)."""
     import torch
 
     from tpfuse.kernels import layout
 
-    buffer = torch.full((layout.buffer_elems(region_elems, 1),), layout.SENTINEL, dtype=torch.int16,
-                        device=device)
-    workspace = layout.Workspace(region_elems, buffer, torch.tensor([buffer.data_ptr()], device=device),
-                                 torch.zeros(layout.STATE_LEN, dtype=torch.int32, device=device), [])
+    words = layout.buffer_elems(region_elems, world_size)
+    buffers = [torch.full((words,), layout.SENTINEL, dtype=torch.int16, device=device)
+               for _ in range(world_size)]
+    states = [torch.zeros(layout.STATE_LEN, dtype=torch.int32, device=device) for _ in range(world_size)]
+    peer_ptrs = torch.tensor([b.data_ptr() for b in buffers], device=device)
     programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return layout.LaunchContext(workspace, 0, 1, programs, 10 * 10**9)
+    # A bound under 2**31 ns: Triton compiles an int64 argument apart (see scripts/loopback_latency.py).
+    return [layout.LaunchContext(layout.Workspace(region_elems, buffers[r], peer_ptrs, states[r], []), r,
+                                 world_size, programs // world_size, 2 * 10**9) for r in range(world_size)]
 
 
 def rank_device(backend: str, rank: int):
