@@ -110,7 +110,8 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("arch", sorted(FAMILIES))
+# StarCoder2's steps (biases, LayerNorm) are Phi's but for its embedding site: extended lane in CI.
+@pytest.mark.parametrize("arch", ["Gemma2", "Phi", pytest.param("Starcoder2", marks=pytest.mark.extended)])
 def test_hugging_face_families_with_other_block_ends(rank_pool, tmp_path, arch):
     sites, calls, patterns, tolerance = FAMILIES[arch]
     pool = rank_pool(2)
