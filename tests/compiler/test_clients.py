@@ -67,17 +67,39 @@ def _assert_fused(results, sites, calls_per_run=None, patterns=None, tolerance=2
 
 # --- Hugging Face transformers, tp_plan="auto" -------------------------------------------------------
 
+# Per architecture: (config class, model class, config arguments beyond or instead of the common ones).
+# The MoE models get 4 or 8 experts of 32; DeepSeek-V3's attention (MLA) its own head sizes, and its first
+# layer dense. One layer where that has every kind of site (the attention's into the MLP's norm, the
+# MLP's into the final norm): CI's time.
+ARCHITECTURES = {
+    "Cohere": ("CohereConfig", "CohereForCausalLM",
+               dict(num_key_value_heads=2, head_dim=16, num_hidden_layers=1)),
+    "Llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, intermediate_size_mlp=128,
+                    interleave_moe_layer_step=1, num_hidden_layers=1)),
+    "DeepseekV3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                   dict(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
+                        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                        v_head_dim=16)),
+    # head_dim and key/value heads only where the architecture has them (GPT-NeoX and Phi derive them).
+    "GPTNeoX": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "Phi": ("PhiConfig", "PhiForCausalLM", {}),
+}
+
+
 def _save_hf_model(rank, world_size, arch, path):
     import transformers
 
     if rank == 0:
-        # head_dim and key/value heads only where the architecture has them (GPT-NeoX and Phi derive them).
-        heads = {} if arch in ("GPTNeoX", "Phi") else dict(num_key_value_heads=2, head_dim=16)
-        config = getattr(transformers, f"{arch}Config")(
-            hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            vocab_size=256, max_position_embeddings=128, **heads)
+        config_class, model_class, extra = ARCHITECTURES.get(
+            arch, (f"{arch}Config", f"{arch}ForCausalLM", dict(num_key_value_heads=2, head_dim=16)))
+        sizes = dict(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     vocab_size=256, max_position_embeddings=128, pad_token_id=None, bos_token_id=None,
+                     eos_token_id=None)
+        config = getattr(transformers, config_class)(**{**sizes, **extra})
         torch.manual_seed(0)
-        getattr(transformers, f"{arch}ForCausalLM")(config).to(torch.bfloat16).save_pretrained(path)
+        getattr(transformers, model_class)(config).to(torch.bfloat16).save_pretrained(path)
     dist.barrier()
 
 
@@ -100,18 +122,27 @@ def test_hugging_face_tp_plan_auto(rank_pool, tmp_path, arch):
 # Models whose block ends differ from Llama's (tpfuse.compiler.PATTERNS): Gemma 2's row-parallel embedding
 # (scaled by sqrt(hidden)) and its post-norms before each residual add; Phi-2's attention and MLP that
 # read the same LayerNorm and add both all-reduced outputs, each with its bias, to the residual (GPT-NeoX's
-# parallel residual is the same) as one all-reduce; StarCoder2's biases and LayerNorm.
+# parallel residual is the same) as one all-reduce; StarCoder2's biases and LayerNorm; Granite's
+# residual multiplier; Cohere's parallel residual (``residual + attention + mlp``) into its hand-written
+# LayerNorm; the MoE blocks of Llama 4 (routed experts summed over their copies after the all-reduce,
+# plus the shared expert) and DeepSeek-V3 (routed plus shared experts) as one all-reduce each.
 # Gemma rounds its post-norm to bf16 before the residual add, which the fused op does not (it rounds h
 # once): its logits differ by 1.5e-2 of the largest here, so it gets 3e-2 (a wrong fusion is O(1)).
 FAMILIES = {
     "Gemma2": (5, 5, ["AllReduceScaledRMSNorm"] + ["AllReducePostNormAddRMSNorm"] * 4, 3e-2),
     "Phi": (4, 2, ["TwoAllReducesBiasAddLayerNorm"] * 4, 2e-2),
     "Starcoder2": (5, 5, ["AllReduceLayerNorm"] + ["AllReduceBiasAddLayerNorm"] * 4, 2e-2),
+    "Granite": (4, 4, ["AllReduceScaledAddRMSNorm"] * 4, 2e-2),
+    "Cohere": (3, 2, ["AllReduceLayerNorm"] + ["TwoAllReducesAddLayerNorm"] * 2, 2e-2),
+    "Llama4": (3, 2, ["AllReduceAddRMSNorm"] + ["TwoAllReducesAddRMSNorm"] * 2, 2e-2),
+    "DeepseekV3": (3, 2, ["AllReduceAddRMSNorm"] + ["TwoAllReducesAddRMSNorm"] * 2, 2e-2),
 }
 
 
-# StarCoder2's steps (biases, LayerNorm) are Phi's but for its embedding site: extended lane in CI.
-@pytest.mark.parametrize("arch", ["Gemma2", "Phi", pytest.param("Starcoder2", marks=pytest.mark.extended)])
+# StarCoder2's steps (biases, LayerNorm) are Phi's but for its embedding site, Granite's a pattern example
+# covers (a scaled sum), DeepSeek-V3's two branches Llama 4's: the extended lane in CI.
+@pytest.mark.parametrize("arch", ["Gemma2", "Phi", "Cohere", "Llama4"] + [
+    pytest.param(arch, marks=pytest.mark.extended) for arch in ("Starcoder2", "Granite", "DeepseekV3")])
 def test_hugging_face_families_with_other_block_ends(rank_pool, tmp_path, arch):
     sites, calls, patterns, tolerance = FAMILIES[arch]
     pool = rank_pool(2)

@@ -239,6 +239,50 @@ def test_sites_fuse_only_when_they_may_and_stay_right(rank_pool, kind, dtype, fu
                 torch.testing.assert_close(g.float(), e.float(), atol=2e-2, rtol=2e-2)
 
 
+class SiteBesideAWiderAllReduce(nn.Module):
+    """A fusable block end beside an all-reduce of 4 rows a token that no pattern takes (as an MoE's
+    expert copies are in a block end of a form tpfuse does not know)."""
+
+    def __init__(self, hidden: int = 64):
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.norm = HFRMSNorm(hidden, 1e-5)
+
+    def forward(self, x, residual):
+        h = residual + funcol.all_reduce(self.proj(x), "sum", dist.group.WORLD)
+        wide = funcol.all_reduce(x.repeat(4, 1), "sum", dist.group.WORLD)
+        return self.norm(h), h, torch.tanh(wide).sum(0)
+
+
+def _beside_a_wider_all_reduce(rank, world_size):
+    tpfuse.get_communicator(max_tokens=16, hidden=64)
+    torch.manual_seed(0)
+    module = SiteBesideAWiderAllReduce().bfloat16()
+    compiled = tpfuse.compile(module)
+    runs = {}
+    for tokens in (6, 14, 20):
+        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(rank)).bfloat16()
+        residual = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(99)).bfloat16()
+        with torch.no_grad():
+            expected = module(x, residual)
+            tpfuse.reset_stats()
+            got = compiled(x, residual)
+        runs[tokens] = (expected, got, tpfuse.stats().get("triton.oneshot", 0))
+    return runs, dict(compiled.tpfuse_backend.compiles)
+
+
+def test_a_site_left_alone_does_not_narrow_the_fused_range(rank_pool):
+    # The fused graph serves every token count its fused sites can take (16); the wider all-reduce
+    # (4 x tokens rows) stays a plain collective at any size. It used to bound the fused graph to
+    # 4 tokens: at 6 and 14 the plain graph ran, with no kernel call and no word said.
+    for runs, compiles in rank_pool(2).run(_beside_a_wider_all_reduce):
+        assert compiles == {"fused": 1, "plain": 1}
+        for tokens, (expected, got, calls) in runs.items():
+            assert calls == (1 if tokens <= 16 else 0), (tokens, calls)
+            for e, g in zip(expected, got):
+                torch.testing.assert_close(g.float(), e.float(), atol=2e-2, rtol=2e-2)
+
+
 class _Example(nn.Module):
     """A pattern's example as a model holds it: gains and biases parameters, the scales buffers."""
 
@@ -296,9 +340,10 @@ def _pattern_example(rank, world_size, name, scale_group):
 EXAMPLES = [("AllReduceRMSNorm", 0), ("AllReduceAddRMSNorm", 0), ("AllReduceRMSNormQuant", 0),
             ("AllReduceAddRMSNormQuant", 0), ("AllReduceAddRMSNormDynamicQuant", 64),
             ("AllReduceAddRMSNormDynamicQuant", 16), ("AllReduceRMSNormDynamicQuant", 32),
-            ("AllReducePostNormAddRMSNorm", 0), ("AllReduceScaledRMSNorm", 0), ("AllReduceBiasAddRMSNorm", 0),
-            ("AllReduceLayerNorm", 0), ("AllReduceAddLayerNorm", 0), ("AllReduceBiasAddLayerNorm", 0),
-            ("TwoAllReducesBiasAddLayerNorm", 0),
+            ("AllReducePostNormAddRMSNorm", 0), ("AllReduceScaledRMSNorm", 0),
+            ("AllReduceScaledAddRMSNorm", 0), ("AllReduceBiasAddRMSNorm", 0), ("AllReduceLayerNorm", 0),
+            ("AllReduceAddLayerNorm", 0), ("AllReduceBiasAddLayerNorm", 0),
+            ("TwoAllReducesBiasAddLayerNorm", 0), ("TwoAllReducesAddLayerNorm", 0),
             ("TwoAllReducesAddRMSNorm", 0)]
 
 

@@ -171,8 +171,16 @@ class TpfuseBackend:
         bounds = {key: limit for key, (_, limit) in plan.bounds.items()}
         if not bounds:  # static token counts only: one graph
             return self._compile(gm, example_inputs, FusionPass(token_bounds={}))
-        checks = [(_token_reader(gm, expr), limit) for expr, limit in plan.bounds.values()]
-        fused = self._compile(gm, example_inputs, FusionPass(token_bounds=bounds))
+        fusion_pass = FusionPass(token_bounds=bounds)
+        fused = self._compile(gm, example_inputs, fusion_pass)
+        # Only the token counts of sites that fused bound the fused graph: an all-reduce the pass left
+        # alone (an MoE's [experts * tokens, H], say) runs at any size. Without the pass's record (a
+        # graph from Inductor's cache) every candidate's bound stays.
+        relied = fusion_pass.bounds_relied_on
+        bounds = {key: limit for key, limit in bounds.items() if relied is None or key in relied}
+        if not bounds:
+            return fused  # nothing fused on a dynamic token count: the graph serves every size
+        checks = [(_token_reader(gm, plan.bounds[key][0]), limit) for key, limit in bounds.items()]
         plain = self._compile(gm, example_inputs, None)
         log.info("tpfuse: graph split: the fused graph while %s, the plain graph above",
                  " and ".join(f"{key} <= {limit}" for key, limit in bounds.items()))

@@ -19,6 +19,7 @@ from tpfuse.compiler.patterns import ALL_REDUCE, PATTERNS, describe_shape, unmat
 log = logging.getLogger("tpfuse.compiler")
 # Inductor may run a copy of a pass (config patches are copied): copies share a tag and these records.
 _reports: collections.defaultdict[str, list[list[SiteReport]]] = collections.defaultdict(list)
+_bounds_relied_on: collections.defaultdict[str, set[str]] = collections.defaultdict(set)
 
 
 @dataclass(frozen=True)
@@ -102,13 +103,19 @@ class FusionPass(CustomGraphPass):
         """All-reduce sites this pass (or a copy of it) saw and left alone."""
         return sum(not s.fused for graph in self.reports for s in graph)
 
+    @property
+    def bounds_relied_on(self) -> set[str] | None:
+        """The keys of ``token_bounds`` that some fused site's token count is; None when the pass has
+        not run (Inductor took the graph from its cache)."""
+        return set(_bounds_relied_on[self._tag]) if self._tag in _reports else None
+
     def _token_bound(self, tokens) -> int | None:
         return self.token_bounds.get(str(tokens), self.max_tokens)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.pattern_matcher import stable_topological_sort
 
-        sites, merged = [], set()
+        sites, merged, unfused = [], set(), {}  # unfused: index in sites -> all-reduce node
         for node in [n for n in graph.nodes if n.op == "call_function" and n.target == ALL_REDUCE]:
             if node in merged:  # a second branch of a site fused before: reported with it
                 continue
@@ -122,6 +129,8 @@ class FusionPass(CustomGraphPass):
                 if reason is None:
                     reports = [SiteReport(*_describe(n), True, pattern.__name__)
                                for n in [node] + match.merged]
+                    if str(match.tokens) in self.token_bounds:
+                        _bounds_relied_on[self._tag].add(str(match.tokens))
                     pattern.replace(graph, match)
                     sites += reports
                     merged.update(match.merged)
@@ -129,7 +138,10 @@ class FusionPass(CustomGraphPass):
                 refused = refused or (pattern.__name__, reason)
             else:
                 pattern_name, reason = refused or (None, unmatched_reason(node))
+                unfused[len(sites)] = node
                 sites.append(SiteReport(shape, dtype, group_name, False, pattern_name, reason))
+        # A site that a later one took in as its second branch is reported with that one only.
+        sites = [s for i, s in enumerate(sites) if unfused.get(i) not in merged]
         if any(s.fused for s in sites):
             stable_topological_sort(graph)  # shapes the replacements read may be defined after the site
         graph.lint()

@@ -172,6 +172,7 @@ class Match:
     x_scale: object = None  # a number or one-element tensor the sum is multiplied by (Gemma's embedding)
     biases: list = field(default_factory=list)  # [H] tensors added to the sum (one a branch)
     x_other: Node | None = None  # the second branch's all-reduce input: x + x_other is all-reduced once
+    x_other_copies: int = 1  # x_other holds this many copies of the rows, summed (Llama 4's experts)
     merged: list[Node] = field(default_factory=list)  # other all-reduces this site takes in
     sum_weight: object = None  # the post-norm's gain (Gemma)
     norm_bias: object = None  # LayerNorm's bias
@@ -252,36 +253,66 @@ def _last_dim(dims, node: Node) -> bool:
 
 
 def match_layernorm(h: Node) -> tuple[Node, Node, float, object, list[Node]] | None:
-    """(out, weight, eps, bias or None, internal nodes) of a LayerNorm of ``h`` as Inductor decomposes
-    ``nn.LayerNorm`` / ``F.layer_norm`` (``var_mean`` in fp32, weight, optional bias, cast back), or None."""
-    dtype = _val(h).dtype
+    """(out, weight, eps, bias or None, internal nodes) of a LayerNorm of ``h``, or None. Two styles:
+    Inductor's decomposition of ``nn.LayerNorm`` / ``F.layer_norm`` (``var_mean`` in fp32), and the
+    hand-written one of Cohere (``mean``, ``(c - mean) ** 2``, ``mean``); then the weight, an optional
+    bias, and the cast back."""
     for c in _converts_to(h, torch.float32):
-        for vm in _users(c, aten.var_mean.correction):
-            if not (vm.kwargs.get("correction") == 0 and vm.kwargs.get("keepdim") and len(vm.args) > 1
-                    and _last_dim(vm.args[1], c)):
-                continue
-            parts = {u.args[1]: u for u in vm.users if _is(u, operator.getitem)}
-            var, mean = parts.get(0), parts.get(1)
-            subs = [u for u in _users(c, aten.sub.Tensor) if u.args[:2] == (c, mean)]
-            if var is None or mean is None or len(subs) != 1 or len(mean.users) != 1:
-                continue
-            add_eps, rsqrt = _plus_eps_rsqrt(var)
+        for stats in _layernorm_statistics(c):
+            add_eps, rsqrt = _plus_eps_rsqrt(stats.var)
             normed = _only_user(rsqrt) if rsqrt is not None else None
-            if not (_is(normed, aten.mul.Tensor) and set(normed.args[:2]) == {subs[0], rsqrt}):
+            if not (_is(normed, aten.mul.Tensor) and _other(normed, rsqrt) in stats.centred):
                 continue
             scaled = _only_user(normed)
             if not _is(scaled, aten.mul.Tensor):
                 continue
-            internal = [c, vm, var, mean, subs[0], add_eps, rsqrt, normed, scaled]
+            internal = [c] + stats.nodes + [add_eps, rsqrt, normed, scaled]
             bias, last = None, scaled
             after = _only_user(scaled)
             if _is(after, aten.add.Tensor) and after.kwargs.get("alpha", 1) == 1:
                 bias, last = _other(after, scaled), after
                 internal.append(after)
-            out = _convert_to(last, dtype) if len(last.users) == 1 else None
+            out = _convert_to(last, _val(h).dtype) if len(last.users) == 1 else None
             if out is not None:
                 return out, _other(scaled, normed), float(add_eps.args[1]), bias, internal
     return None
+
+
+@dataclass
+class _Statistics:
+    var: Node  # the variance, which ``rsqrt(var + eps)`` reads
+    centred: list[Node]  # c - mean (Cohere writes it twice; the graph may keep both)
+    nodes: list[Node]  # every node that computes them
+
+
+def _layernorm_statistics(c: Node) -> list[_Statistics]:
+    """The ways a LayerNorm computes the mean and variance of the fp32 row ``c``."""
+    found = []
+    for vm in _users(c, aten.var_mean.correction):
+        if not (vm.kwargs.get("correction") == 0 and vm.kwargs.get("keepdim") and len(vm.args) > 1
+                and _last_dim(vm.args[1], c)):
+            continue
+        parts = {u.args[1]: u for u in vm.users if _is(u, operator.getitem)}
+        var, mean = parts.get(0), parts.get(1)
+        subs = [u for u in _users(c, aten.sub.Tensor) if u.args[:2] == (c, mean)]
+        if var is not None and mean is not None and len(subs) == 1 and len(mean.users) == 1:
+            found.append(_Statistics(var, subs, [vm, var, mean, subs[0]]))
+    for mean in _users(c, aten.mean.dim):
+        if not (len(mean.args) > 2 and mean.args[2] and _last_dim(mean.args[1], c)):
+            continue
+        subs = [u for u in _users(c, aten.sub.Tensor) if u.args[:2] == (c, mean)]
+        if not subs or len(mean.users) != len(subs):
+            continue
+        for sub in subs:
+            for square in sub.users:
+                if not (_is(square, aten.pow.Tensor_Scalar) and square.args[1] == 2
+                        or _is(square, aten.mul.Tensor) and square.args[:2] == (sub, sub)):
+                    continue
+                var = _only_user(square)
+                if (_is(var, aten.mean.dim) and len(var.args) > 2 and var.args[2]
+                        and _last_dim(var.args[1], square)):
+                    found.append(_Statistics(var, subs, [mean] + subs + [square, var]))
+    return found
 
 
 def match_static_fp8(y: Node, div: Node | None = None) -> tuple[Node, Node, list[Node]] | None:
@@ -318,9 +349,11 @@ def _bias_of(node: Node, hidden: int) -> tuple[Node | None, object]:
 
 
 def _branch(node: object, group_name: str, reduce_op: str, hidden: int, with_bias: bool):
-    """(all-reduce, nodes, bias) when ``node`` is another all-reduce of the same group (+ its bias, views
-    between), the second term of a sum of two; else None."""
-    nodes, bias = [], None
+    """(all-reduce, nodes, bias, copies) when ``node`` is another all-reduce of the same group (+ its bias,
+    views between), the second term of a sum of two; else None. ``copies`` > 1: the all-reduced tensor
+    holds that many copies of the rows, summed after it (Llama 4's experts: ``[E * T, H]`` viewed as
+    ``[E, T, H]``, then ``.sum(0)``), which the fusion sums before the all-reduce instead."""
+    nodes, bias, copies = [], None, 1
     if with_bias:
         if not (_is(node, aten.add.Tensor) and node.kwargs.get("alpha", 1) == 1):
             return None
@@ -330,6 +363,13 @@ def _branch(node: object, group_name: str, reduce_op: str, hidden: int, with_bia
             return None
         nodes.append(node)
         node = a if bias is b else b
+    if (_is(node, aten.sum.dim_IntList) and list(node.args[1]) == [0] and node.args[2:] in ((), (False,))
+            and not node.kwargs and len(node.users) == 1 and _val(node.args[0]).dim() == 3):
+        copies = static_int(_val(node.args[0]).shape[0])
+        if copies is None:
+            return None
+        nodes.append(node)
+        node = node.args[0]
     while _is(node, *VIEWS) and len(node.users) == 1:
         nodes.append(node)
         node = node.args[0]
@@ -338,7 +378,7 @@ def _branch(node: object, group_name: str, reduce_op: str, hidden: int, with_bia
     reduce = node.args[0]
     if not (_is(reduce, ALL_REDUCE) and tuple(reduce.args[1:3]) == (reduce_op, group_name)):
         return None
-    return reduce, nodes + [node], bias
+    return reduce, nodes + [node], bias, copies
 
 
 def match_dynamic_fp8(y: Node, hidden: int) -> tuple[Node, Node, int, list[Node]] | None:
@@ -454,14 +494,23 @@ class FusionPattern:
                 return None
             m.biases.append(bias)
             cur = follow(cur)
+        residual_add = None
         if cls.branches == 2:
             add = _only_user(cur)
             if not (_is(add, aten.add.Tensor) and add.kwargs.get("alpha", 1) == 1):
                 return None
             branch = _branch(_other(add, cur), group_name, reduce_op, hidden, cls.bias)
+            if branch is None and cls.residual:  # (a + residual) + b: Cohere adds the residual in between
+                m.residual = _other(add, cur)
+                m.problem = _residual_problem(m.residual, add, _val(x), hidden)
+                residual_add, cur = add, follow(add)
+                add = _only_user(cur)
+                if not (_is(add, aten.add.Tensor) and add.kwargs.get("alpha", 1) == 1):
+                    return None
+                branch = _branch(_other(add, cur), group_name, reduce_op, hidden, cls.bias)
             if branch is None:
                 return None
-            other_reduce, nodes, bias = branch
+            other_reduce, nodes, bias, m.x_other_copies = branch
             m.x_other, m.merged = other_reduce.args[0], [other_reduce]
             m.biases += [bias] if bias is not None else []
             m.internal += nodes
@@ -473,7 +522,7 @@ class FusionPattern:
             out, m.sum_weight, sum_eps, nodes = norm
             steps += nodes + [out]
             cur = follow(out)
-        if cls.residual:
+        if cls.residual and residual_add is None:
             # The pre-add sum may have no other user (the op cannot provide it): extra_check says so.
             adds = [u for u in cur.users if _is(u, aten.add.Tensor) and u.kwargs.get("alpha", 1) == 1]
             if len(adds) != 1:
@@ -533,8 +582,8 @@ class FusionPattern:
             return reason
         if _numel(x.shape) != _numel(_val(m.h).shape):
             return f"the all-reduced {tuple(x.shape)} is broadcast by the add to {tuple(_val(m.h).shape)}"
-        if m.x_other is not None and (_val(m.x_other).dtype != x.dtype
-                                      or _numel(_val(m.x_other).shape) != _numel(x.shape)):
+        if m.x_other is not None and (_val(m.x_other).dtype != x.dtype or _numel(_val(m.x_other).shape)
+                                      != m.x_other_copies * _numel(x.shape)):
             return "the two all-reduced branches differ in dtype or size"
         gains = [("the norm weight", m.weight), ("the post-norm weight", m.sum_weight),
                  ("the LayerNorm bias", m.norm_bias)] + [("the bias", b) for b in m.biases]
@@ -600,7 +649,10 @@ class FusionPattern:
         with graph.inserting_before(m.out):
             x2 = call(aten.reshape.default, m.x, [-1, hidden])
             if m.x_other is not None:  # one all-reduce of both branches
-                x2 = call(aten.add.Tensor, x2, call(aten.reshape.default, m.x_other, [-1, hidden]))
+                other = call(aten.reshape.default, m.x_other, [m.x_other_copies, -1, hidden])
+                if m.x_other_copies > 1:  # summing the copies is linear: before the all-reduce, not after
+                    other = call(aten.sum.dim_IntList, other, [0])
+                x2 = call(aten.add.Tensor, x2, call(aten.reshape.default, other, [-1, hidden]))
             if m.x_scale is not None:  # scaling each rank's part scales the sum
                 x2 = call(aten.mul.Tensor, x2, m.x_scale)
             bias = None
@@ -746,6 +798,13 @@ class AllReduceScaledRMSNorm(FusionPattern):
     scale = True
 
 
+class AllReduceScaledAddRMSNorm(FusionPattern):
+    """all-reduce -> * a number -> + residual -> RMSNorm: Granite's ``residual + out * multiplier``."""
+
+    scale = True
+    residual = True
+
+
 class AllReduceBiasAddRMSNorm(FusionPattern):
     """all-reduce -> + bias -> + residual -> RMSNorm: a row-parallel layer with a bias (HF adds it after
     the all-reduce)."""
@@ -785,9 +844,19 @@ class TwoAllReducesBiasAddLayerNorm(FusionPattern):
     layer_norm = True
 
 
+class TwoAllReducesAddLayerNorm(FusionPattern):
+    """all-reduce + all-reduce -> + residual (between them or after) -> LayerNorm: Cohere's
+    parallel attention and MLP (``residual + attention + mlp``, a LayerNorm without bias)."""
+
+    branches = 2
+    residual = True
+    layer_norm = True
+
+
 class TwoAllReducesAddRMSNorm(FusionPattern):
     """all-reduce + all-reduce -> + residual -> RMSNorm: two branches of one block (routed and shared
-    experts), as one all-reduce of their sum."""
+    experts: DeepSeek-V3, Llama 4, whose routed output is summed over its experts' copies after its
+    all-reduce), as one all-reduce of their sum."""
 
     branches = 2
     residual = True
@@ -797,8 +866,9 @@ class TwoAllReducesAddRMSNorm(FusionPattern):
 PATTERNS = sorted([
     AllReduceRMSNorm, AllReduceAddRMSNorm, AllReduceRMSNormQuant, AllReduceAddRMSNormQuant,
     AllReduceRMSNormDynamicQuant, AllReduceAddRMSNormDynamicQuant, AllReducePostNormAddRMSNorm,
-    AllReduceScaledRMSNorm, AllReduceBiasAddRMSNorm, AllReduceLayerNorm, AllReduceAddLayerNorm,
-    AllReduceBiasAddLayerNorm, TwoAllReducesBiasAddLayerNorm, TwoAllReducesAddRMSNorm,
+    AllReduceScaledRMSNorm, AllReduceScaledAddRMSNorm, AllReduceBiasAddRMSNorm, AllReduceLayerNorm,
+    AllReduceAddLayerNorm, AllReduceBiasAddLayerNorm, TwoAllReducesBiasAddLayerNorm,
+    TwoAllReducesAddLayerNorm, TwoAllReducesAddRMSNorm,
 ], key=lambda pattern: -pattern.steps())
 
 
