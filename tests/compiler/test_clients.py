@@ -29,6 +29,9 @@ BELOW, ABOVE = [(2, 3), (2, 7)], [(4, 7), (2, 20)]
 
 def _check_model(model, make_input, shapes):
     """Run the model eager and compiled on each shape: (shape, relative difference, fused kernel calls)."""
+    # Rank processes serve many tests: transformers' shared wrappers would reach dynamo's recompile
+    # limit after eight models and run eagerly from then on.
+    torch._dynamo.reset()
     tpfuse.get_communicator(max_tokens=LIMIT, hidden=HIDDEN)
     compiled = tpfuse.compile(model)
     runs = []
@@ -148,6 +151,32 @@ def test_hugging_face_families_with_other_block_ends(rank_pool, tmp_path, arch):
     pool = rank_pool(2)
     pool.run(_save_hf_model, arch, str(tmp_path))
     _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900), sites, calls, patterns, tolerance)
+
+
+# More families, checked on demand (`scripts/test.sh -m families`; CI and gpu_check.sh leave them out):
+# (sites, kernel calls a run, tolerance). Mixtral's routing flips between eager and compiled on a few
+# tokens in the plain graph too (0.06 of the largest logit above the limit, no tpfuse call): 7e-2 (a
+# wrong fusion is O(1)). Not here because transformers 5.17 has no tensor-parallel plan for them (no
+# all-reduce to fuse): GPT-OSS, Falcon, HunYuan, GraniteMoe.
+MORE_FAMILIES = {
+    "Mixtral": (4, 4, 7e-2), "Qwen3Moe": (4, 4, 2e-2), "Qwen2Moe": (2, 2, 2e-2), "Qwen2": (4, 4, 2e-2),
+    "Olmo2": (4, 4, 2e-2), "Olmo3": (4, 4, 2e-2), "Exaone4": (4, 4, 2e-2), "Glm": (4, 4, 2e-2),
+    "Glm4": (4, 4, 2e-2), "Phi3": (4, 4, 2e-2), "Ernie4_5": (5, 5, 2e-2), "SmolLM3": (5, 5, 2e-2),
+    "Apertus": (4, 4, 2e-2), "Cohere2": (5, 3, 2e-2),
+}
+ARCHITECTURES.update({
+    "Gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_key_value_heads=2, head_dim=16)),
+})
+MORE_FAMILIES["Gemma3"] = (5, 5, 3e-2)  # Gemma 2's rounding of its post-norm (above)
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("arch", MORE_FAMILIES)
+def test_more_hugging_face_families(rank_pool, tmp_path, arch):
+    sites, calls, tolerance = MORE_FAMILIES[arch]
+    pool = rank_pool(2)
+    pool.run(_save_hf_model, arch, str(tmp_path))
+    _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900), sites, calls, None, tolerance)
 
 
 # --- torch parallelize_module (torchtitan's plain tensor parallelism) ----------------------------------

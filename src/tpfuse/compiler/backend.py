@@ -12,7 +12,11 @@ runs when every such count is within its limit, the plain graph otherwise.
 from __future__ import annotations
 
 import collections
+import hashlib
+import json
 import logging
+import os
+import pathlib
 from dataclasses import dataclass, field
 
 import torch
@@ -121,6 +125,36 @@ def _token_reader(gm: torch.fx.GraphModule, expr):
     return lambda args: int(evaluate(*(readers[sym](args) for sym in symbols)))
 
 
+def _bounds_relied_on(fusion_pass: FusionPass, gm: torch.fx.GraphModule) -> set[str] | None:
+    """The token bounds the fused sites of ``gm``'s fused graph rely on.
+
+    The pass records them when it runs; when Inductor serves the graph from its cache the pass does
+    not run, so they are also kept in a file beside Inductor's cache, under a key of the pass's
+    identity and the graph. None (every candidate's bound stays, logged) when neither has them.
+    """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    inputs = [str(n.meta.get("example_value")) for n in gm.graph.nodes if n.op == "placeholder"]
+    key = hashlib.sha256("\n".join([fusion_pass.uuid(), gm.code, *inputs]).encode()).hexdigest()[:32]
+    record = pathlib.Path(cache_dir()) / "tpfuse" / f"{key}.json"
+    relied = fusion_pass.bounds_relied_on
+    try:
+        if relied is not None:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            partial = record.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps(sorted(relied)))
+            os.replace(partial, record)
+        elif record.exists():
+            relied = set(json.loads(record.read_text()))
+    except (OSError, ValueError) as exc:  # a cache directory we cannot use costs range, not correctness
+        log.warning("tpfuse: cannot use %s (%s)", record, exc)
+    if relied is None:
+        log.warning("tpfuse: a fused graph came from Inductor's cache without tpfuse's record of its "
+                    "sites: its range keeps every all-reduce's bound (%s)",
+                    ", ".join(fusion_pass.token_bounds))
+    return relied
+
+
 class TpfuseBackend:
     """A ``torch.compile`` backend: Inductor with the fusion pass below the fusion limit, without above.
 
@@ -174,9 +208,8 @@ class TpfuseBackend:
         fusion_pass = FusionPass(token_bounds=bounds)
         fused = self._compile(gm, example_inputs, fusion_pass)
         # Only the token counts of sites that fused bound the fused graph: an all-reduce the pass left
-        # alone (an MoE's [experts * tokens, H], say) runs at any size. Without the pass's record (a
-        # graph from Inductor's cache) every candidate's bound stays.
-        relied = fusion_pass.bounds_relied_on
+        # alone (an MoE's [experts * tokens, H], say) runs at any size.
+        relied = _bounds_relied_on(fusion_pass, gm)
         bounds = {key: limit for key, limit in bounds.items() if relied is None or key in relied}
         if not bounds:
             return fused  # nothing fused on a dynamic token count: the graph serves every size

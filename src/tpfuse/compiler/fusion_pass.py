@@ -91,7 +91,7 @@ class FusionPass(CustomGraphPass):
     @property
     def reports(self) -> list[list[SiteReport]]:
         """Per graph this pass (or a copy of it) ran on, every all-reduce site and what became of it."""
-        return _reports[self._tag]
+        return _reports.get(self._tag, [])
 
     @property
     def fused_sites(self) -> int:
@@ -145,7 +145,7 @@ class FusionPass(CustomGraphPass):
         if any(s.fused for s in sites):
             stable_topological_sort(graph)  # shapes the replacements read may be defined after the site
         graph.lint()
-        self.reports.append(sites)
+        _reports[self._tag].append(sites)
         bounds = ", ".join(f"{k} <= {v}" for k, v in self.token_bounds.items()) or (
             f"tokens <= {self.max_tokens}" if self.max_tokens else "static token counts")
         report_graph(sites, bounds)

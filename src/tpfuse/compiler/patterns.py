@@ -364,7 +364,8 @@ def _branch(node: object, group_name: str, reduce_op: str, hidden: int, with_bia
         nodes.append(node)
         node = a if bias is b else b
     if (_is(node, aten.sum.dim_IntList) and list(node.args[1]) == [0] and node.args[2:] in ((), (False,))
-            and not node.kwargs and len(node.users) == 1 and _val(node.args[0]).dim() == 3):
+            and not node.kwargs and len(node.users) == 1 and isinstance(_val(node.args[0]), torch.Tensor)
+            and _val(node.args[0]).dim() == 3):
         copies = static_int(_val(node.args[0]).shape[0])
         if copies is None:
             return None
