@@ -61,8 +61,10 @@ def _assert_fused(results, sites, calls_per_run=None, patterns=None, tolerance=2
         assert compiles == {"fused": 1, "plain": 1}, compiles  # one graph per range, batch and seq dynamic
         assert len(reports) == 1 and len(reports[0]) == sites, reports
         assert all(": fused (" in line for line in reports[0]), reports
-        if patterns is not None:
-            assert [line.split("fused (")[1].rstrip(")") for line in reports[0]] == patterns, reports
+        if patterns is not None:  # a tuple: any of these patterns
+            found = [line.split("fused (")[1].rstrip(")") for line in reports[0]]
+            assert len(found) == len(patterns) and all(
+                f in (p if isinstance(p, tuple) else (p,)) for f, p in zip(found, patterns)), reports
         for (batch, seq), diff, calls in runs:
             assert calls == ((calls_per_run or sites) if batch * seq <= LIMIT else 0), (batch, seq, calls)
             assert diff < tolerance, (batch, seq, diff)  # of the largest logit; bf16 models
@@ -132,7 +134,10 @@ def test_hugging_face_tp_plan_auto(rank_pool, tmp_path, arch):
 # Gemma rounds its post-norm to bf16 before the residual add, which the fused op does not (it rounds h
 # once): its logits differ by 1.5e-2 of the largest here, so it gets 3e-2 (a wrong fusion is O(1)).
 FAMILIES = {
-    "Gemma2": (5, 5, ["AllReduceScaledRMSNorm"] + ["AllReducePostNormAddRMSNorm"] * 4, 3e-2),
+    # On torch 2.11 (the GPU image) the embedding's sum reaches the norm already scaled (each rank's part
+    # scaled before the all-reduce): the site fuses as the plain AllReduceRMSNorm there.
+    "Gemma2": (5, 5, [("AllReduceScaledRMSNorm", "AllReduceRMSNorm")] + ["AllReducePostNormAddRMSNorm"] * 4,
+               3e-2),
     "Phi": (4, 2, ["TwoAllReducesBiasAddLayerNorm"] * 4, 2e-2),
     "Starcoder2": (5, 5, ["AllReduceLayerNorm"] + ["AllReduceBiasAddLayerNorm"] * 4, 2e-2),
     "Granite": (4, 4, ["AllReduceScaledAddRMSNorm"] * 4, 2e-2),
