@@ -48,6 +48,11 @@ def _is(node: object, *targets) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 
 
+def _is_add(node: object) -> bool:
+    """``a + b`` of two tensors (no ``alpha``)."""
+    return _is(node, aten.add.Tensor) and node.kwargs.get("alpha", 1) == 1
+
+
 def _val(node: Node):
     return node.meta.get("val")
 
@@ -269,7 +274,7 @@ def match_layernorm(h: Node) -> tuple[Node, Node, float, object, list[Node]] | N
             internal = [c] + stats.nodes + [add_eps, rsqrt, normed, scaled]
             bias, last = None, scaled
             after = _only_user(scaled)
-            if _is(after, aten.add.Tensor) and after.kwargs.get("alpha", 1) == 1:
+            if _is_add(after):
                 bias, last = _other(after, scaled), after
                 internal.append(after)
             out = _convert_to(last, _val(h).dtype) if len(last.users) == 1 else None
@@ -342,8 +347,7 @@ def match_static_fp8(y: Node, div: Node | None = None) -> tuple[Node, Node, list
 def _bias_of(node: Node, hidden: int) -> tuple[Node | None, object]:
     """(the add, the bias) when ``node``'s only user adds a [hidden] row to it, else (None, None)."""
     add = _only_user(node)
-    if _is(add, aten.add.Tensor) and add.kwargs.get("alpha", 1) == 1 and _row_vector(_other(add, node),
-                                                                                      hidden):
+    if _is_add(add) and _row_vector(_other(add, node), hidden):
         return add, _other(add, node)
     return None, None
 
@@ -355,7 +359,7 @@ def _branch(node: object, group_name: str, reduce_op: str, hidden: int, with_bia
     ``[E, T, H]``, then ``.sum(0)``), which the fusion sums before the all-reduce instead."""
     nodes, bias, copies = [], None, 1
     if with_bias:
-        if not (_is(node, aten.add.Tensor) and node.kwargs.get("alpha", 1) == 1):
+        if not _is_add(node):
             return None
         a, b = node.args[:2]
         bias = b if _row_vector(b, hidden) else a if _row_vector(a, hidden) else None
@@ -497,18 +501,19 @@ class FusionPattern:
             cur = follow(cur)
         residual_add = None
         if cls.branches == 2:
-            add = _only_user(cur)
-            if not (_is(add, aten.add.Tensor) and add.kwargs.get("alpha", 1) == 1):
-                return None
-            branch = _branch(_other(add, cur), group_name, reduce_op, hidden, cls.bias)
-            if branch is None and cls.residual:  # (a + residual) + b: Cohere adds the residual in between
+
+            def branch_after(node: Node):  # (the add that node's only user is, the branch it adds or None)
+                add = _only_user(node)
+                if not _is_add(add):
+                    return None, None
+                return add, _branch(_other(add, node), group_name, reduce_op, hidden, cls.bias)
+
+            add, branch = branch_after(cur)
+            if add is not None and branch is None and cls.residual:  # (a + residual) + b: Cohere
                 m.residual = _other(add, cur)
                 m.problem = _residual_problem(m.residual, add, _val(x), hidden)
                 residual_add, cur = add, follow(add)
-                add = _only_user(cur)
-                if not (_is(add, aten.add.Tensor) and add.kwargs.get("alpha", 1) == 1):
-                    return None
-                branch = _branch(_other(add, cur), group_name, reduce_op, hidden, cls.bias)
+                add, branch = branch_after(cur)
             if branch is None:
                 return None
             other_reduce, nodes, bias, m.x_other_copies = branch
@@ -525,7 +530,7 @@ class FusionPattern:
             cur = follow(out)
         if cls.residual and residual_add is None:
             # The pre-add sum may have no other user (the op cannot provide it): extra_check says so.
-            adds = [u for u in cur.users if _is(u, aten.add.Tensor) and u.kwargs.get("alpha", 1) == 1]
+            adds = [u for u in cur.users if _is_add(u)]
             if len(adds) != 1:
                 return None
             m.residual = _other(adds[0], cur)
