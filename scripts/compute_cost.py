@@ -17,15 +17,8 @@ from tpfuse.testing import local_launch_contexts
 
 
 def timed(launch, ctx, case, **kwargs) -> float:
-    inputs = case.inputs(1, ctx.workspace.buffer.device)
-    x = inputs["xs"][0]
-    dynamic = case.scale_group > 0
-    y = torch.empty(x.shape, dtype=torch.float8_e4m3fn if dynamic else x.dtype, device=x.device)
-    h = torch.empty_like(x)
-    scales = torch.empty(case.tokens, case.hidden // case.scale_group, device=x.device) if dynamic else None
-    epilogue = case.epilogue(inputs, scales)
-    return graph_replay_us(lambda: launch(ctx, x, inputs["residual"], inputs["weight"], case.eps, y, h,
-                                    epilogue=epilogue, **kwargs))
+    call = case.fused_call(case.inputs(1, ctx.workspace.buffer.device), 0)
+    return graph_replay_us(lambda: launch(ctx, call, **kwargs))
 
 
 def main() -> None:

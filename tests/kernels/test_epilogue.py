@@ -82,14 +82,7 @@ def test_every_step_compiled_on_one_gpu(algorithm):
     ctx = local_launch_contexts(device, 16 * 4096)[0]
     launch = oneshot_allreduce_add_rmsnorm if algorithm == "oneshot" else twoshot_allreduce_add_rmsnorm
     for case in CASES:
-        inputs = case.inputs(1, device)
-        x = inputs["xs"][0]
-        fp8 = case.scale_group or case.quant_scale is not None
-        y = torch.full(x.shape, float("nan"), device=device).to(torch.float8_e4m3fn if fp8 else x.dtype)
-        h = torch.full_like(x, float("nan"))
-        scales = torch.full((case.tokens, case.hidden // case.scale_group), float("nan"), device=device) \
-            if case.scale_group else None
-        launch(ctx, x, inputs["residual"], inputs["weight"], case.eps, y, h, inputs["quant_scale"],
-               case.epilogue(inputs, scales))
-        check_results(case, 1, [(y, h) + ((scales,) if scales is not None else ())])
+        call = case.fused_call(case.inputs(1, device), 0)
+        launch(ctx, call)
+        check_results(case, 1, [call.outputs()])
     assert ctx.workspace.state[layout.STATE_ERROR].item() == 0

@@ -120,11 +120,10 @@ def _variants(rank, world_size, backend, case, names):
     inp = case.inputs(world_size, device)
     out = {}
     for name in names:
-        y, h = torch.full_like(inp["xs"][rank], float("nan")), torch.full_like(inp["xs"][rank], float("nan"))
-        launch = dataclasses.replace(comm.fused.launch, max_programs=SPARE_PROGRAMS)
-        oneshot_allreduce_add_rmsnorm(launch, inp["xs"][rank], inp["residual"], inp["weight"], case.eps, y, h,
-                                      variant=OneShotVariant(**ONESHOT_VARIANTS[name]))
-        out[name] = (y.cpu(), h.cpu())
+        call = case.fused_call(inp, rank)
+        launch = dataclasses.replace(comm.fused.launch, max_programs=SPARE_PROGRAMS, plans={})
+        oneshot_allreduce_add_rmsnorm(launch, call, variant=OneShotVariant(**ONESHOT_VARIANTS[name]))
+        out[name] = (call.y.cpu(), call.h.cpu())
     return out
 
 

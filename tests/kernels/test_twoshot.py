@@ -100,11 +100,9 @@ def _grouped(rank, world_size, backend, cases, group_rows):
     comm = tpfuse.get_communicator(max_tokens=40, hidden=4096)
     out = []
     for case in cases:
-        inp = case.inputs(world_size, device)
-        y, h = (torch.full_like(inp["xs"][rank], float("nan")) for _ in range(2))
-        twoshot_allreduce_add_rmsnorm(comm.fused.launch, inp["xs"][rank], inp["residual"], inp["weight"],
-                                      case.eps, y, h, group_rows=group_rows)
-        out.append((y.cpu(), h.cpu()))
+        call = case.fused_call(case.inputs(world_size, device), rank)
+        twoshot_allreduce_add_rmsnorm(comm.fused.launch, call, group_rows=group_rows)
+        out.append((call.y.cpu(), call.h.cpu()))
     return out
 
 
@@ -128,9 +126,6 @@ def test_thirty_two_warps_on_one_gpu():
 
     ctx = local_launch_contexts(torch.device("cuda"), 64 * 8192)[0]
     for case in (Case(64, 8192, seed=1), Case(33, 7168, seed=2, residual=False), Case(40, 4096, seed=3)):
-        inputs = case.inputs(1, "cuda")
-        x = inputs["xs"][0]
-        y, h = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
-        twoshot_allreduce_add_rmsnorm(ctx, x, inputs["residual"], inputs["weight"], case.eps, y, h,
-                                      max_warps=32)
-        check_results(case, 1, [(y, h)])
+        call = case.fused_call(case.inputs(1, "cuda"), 0)
+        twoshot_allreduce_add_rmsnorm(ctx, call, max_warps=32)
+        check_results(case, 1, [(call.y, call.h)])

@@ -55,7 +55,7 @@ def test_fp8_wire_within_its_bound_and_bit_identical(rank_pool, backend, world_s
     for i, case in enumerate(CASES):
         inputs = _scaled(case, case.inputs(world_size))
         y_ref, h_ref = fused_reference_float64(inputs["xs"], inputs["residual"], inputs["weight"], case.eps,
-                                               None, case.epilogue(inputs))
+                                               case.epilogue(inputs))
         reduced = torch.stack([x.double() for x in inputs["xs"]]).sum(0)
         y0, h0 = results[0]["outputs"][i]
         for res in results:  # every rank the same bits
@@ -73,7 +73,7 @@ def test_fp8_wire_within_its_bound_and_bit_identical(rank_pool, backend, world_s
         # The wire is in use: errors of fp8's size, far above the 16-bit path's (2**-8 relative).
         assert (error / h_ref.abs().clamp(min=1e-3)).max() > 2 ** -6, case
         # y is the norm of the h every rank holds, as in the exact two-shot.
-        y_of_h, _ = fused_reference_float64([h0], None, inputs["weight"], case.eps, None,
+        y_of_h, _ = fused_reference_float64([h0], None, inputs["weight"], case.eps,
                                             dataclasses.replace(case.epilogue(inputs), bias=None,
                                                                 sum_weight=None))
         torch.testing.assert_close(y0.double(), y_of_h, atol=2.5e-2, rtol=1.6e-2)
@@ -110,9 +110,9 @@ def test_wire_encoding_compiled_on_one_gpu():
     for case in CASES:
         inputs = _scaled(case, case.inputs(1, device))
         x = inputs["xs"][0]
-        y, h = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
-        twoshot_allreduce_add_rmsnorm(ctx, x, inputs["residual"], inputs["weight"], case.eps, y, h,
-                                      epilogue=case.epilogue(inputs), wire=True)
+        call = case.fused_call(inputs, 0)
+        y, h = call.y, call.h
+        twoshot_allreduce_add_rmsnorm(ctx, call, wire=True)
         if not (case.sum_norm or case.layer_norm):
             expected = wire_sum([x.cpu()]) + (inputs["residual"].float().cpu() if case.residual else 0)
             assert torch.equal(h.cpu(), expected.to(case.dtype)), case

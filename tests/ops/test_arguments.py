@@ -37,7 +37,7 @@ def test_integer_like_sizes_are_accepted():
 def _args(**changes):
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     args = dict(x=x, residual=torch.randn_like(x), weight=torch.ones(64, dtype=torch.bfloat16), eps=1e-6,
-                quant_scale=None, out=None, residual_out=None)
+                out=None, residual_out=None)
     args.update(changes)
     return args
 

@@ -33,8 +33,7 @@ def bench_inputs(epilogue: str, n: int, hidden: int, world: int, rank: int, devi
         others = dataclasses.replace(case, seed=case.seed + 1).inputs(world)["xs"]
         inputs["x_other"] = others[rank]
         xs = [x + other for x, other in zip(xs, others)]  # what the model's two all-reduces sum
-    y_ref, _ = fused_reference_float64(xs, inputs["residual"], inputs["weight"], EPS, None,
-                                       case.epilogue(inputs))
+    y_ref, _ = fused_reference_float64(xs, inputs["residual"], inputs["weight"], EPS, case.epilogue(inputs))
     on_device = {k: [t.to(device) for t in v] if k == "xs" else v.to(device) if torch.is_tensor(v) else v
                  for k, v in inputs.items()}
     return case, on_device, y_ref.to(device)

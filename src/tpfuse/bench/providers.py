@@ -122,6 +122,7 @@ class Providers:
         :class:`tpfuse.testing.cases.Case` and its inputs on this rank's device; with ``two_branches``
         ``inputs["x_other"]`` is all-reduced too and added."""
         import tpfuse
+        from tpfuse.kernels.call import FusedCall
         from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
         from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
 
@@ -133,13 +134,13 @@ class Providers:
         y = torch.empty(x.shape, dtype=torch.float8_e4m3fn if dynamic else x.dtype, device=x.device)
         h = torch.empty_like(x)
         scales = torch.empty((n, hidden // case.scale_group), device=x.device) if dynamic else None
-        epilogue = case.epilogue(inputs, scales)
+        epilogue = case.epilogue(inputs)
         extras = dict(bias=epilogue.bias, sum_weight=epilogue.sum_weight, layer_norm=epilogue.layer_norm,
                       norm_bias=epilogue.norm_bias)
         out: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor | None]]] = {}
 
         def norm(reduced):
-            y_ref, _, scales_ref = self._norm(reduced, residual, weight, EPS, None, None, epilogue)
+            y_ref, _, scales_ref = self._norm(reduced, residual, weight, EPS, None, epilogue)
             return y_ref, scales_ref
 
         def our_input():  # the fused model all-reduces the sum of both branches once
@@ -155,7 +156,7 @@ class Providers:
 
         def launcher(launch, **kwargs):
             def call():
-                launch(comm.fused.launch, our_input(), residual, weight, EPS, y, h, epilogue=epilogue,
+                launch(comm.fused.launch, FusedCall(our_input(), residual, weight, EPS, y, h, epilogue, scales),
                        **kwargs)
                 return y, scales
 
@@ -206,8 +207,8 @@ class Providers:
                     if algorithm == "twoshot" and n <= self.world:
                         continue
 
-                    def fi_call(algorithm=algorithm):
-                        self.fi.run(algorithm, x, residual, weight, EPS, fi_y, fi_h)
+                    def fi_call(algorithm=algorithm, call=FusedCall(x, residual, weight, EPS, fi_y, fi_h)):
+                        self.fi.run(algorithm, call)
                         return fi_y, None
 
                     out[label] = fi_call

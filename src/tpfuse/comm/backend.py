@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import abc
 
-import torch
-
+from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.epilogue import Epilogue
 
 
@@ -30,16 +29,14 @@ class FusedBackend(abc.ABC):
     def region_bytes(self) -> int:
         """Bytes one rank may send in a call: the input of ``select.max_token_num``."""
 
-    def takes(self, n_tokens: int, quantized: bool, epilogue: Epilogue) -> bool:
-        """Whether this backend runs such a call at all (else it takes the reference path)."""
+    def takes(self, n_tokens: int, epilogue: Epilogue) -> bool:
+        """Whether this backend runs a call of ``n_tokens`` rows with this block end at all (else it takes
+        the reference path)."""
         return True
 
     @abc.abstractmethod
-    def run(self, algorithm: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            eps: float, y: torch.Tensor, h: torch.Tensor, quant_scale: torch.Tensor | None,
-            epilogue: Epilogue) -> None:
-        """Run one call with ``algorithm`` (``select.ONESHOT`` or ``select.TWOSHOT``); writes y and h (and
-        the epilogue's scales)."""
+    def run(self, algorithm: str, call: FusedCall) -> None:
+        """Run one call with ``algorithm`` (``select.ONESHOT`` or ``select.TWOSHOT``); writes its outputs."""
 
     def set_wait_timeout(self, seconds: float) -> None:
         """The bound of every wait for a peer, for launches from now on (where the kernels have one)."""

@@ -7,6 +7,7 @@ import math
 import numbers
 import os
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from tpfuse import select
 from tpfuse.comm import agreement
 from tpfuse.comm.backend import FusedBackend
 from tpfuse.kernels import kernels_usable
+from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.epilogue import PLAIN, Epilogue
 
 DEFAULT_MAX_TOKENS = 512
@@ -28,6 +30,28 @@ BACKENDS = ("triton", "flashinfer", "reference")
 COMPRESSIONS = (None, "fp8")
 
 _registry: dict[str, Communicator] = {}
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """How a call runs (:meth:`Communicator.plan`).
+
+    Attributes
+    ----------
+    algorithm : str
+        ``select.ONESHOT`` or ``select.TWOSHOT``: one fused call; ``select.REFERENCE``: the group's own
+        all-reduce and the torch block end, unless ``chunk_rows`` is set.
+    chunk_rows : int
+        > 0: the call runs as fused calls of this many rows each (each planned as a call of its own).
+    """
+
+    algorithm: str
+    chunk_rows: int = 0
+
+    @property
+    def fused(self) -> bool:
+        return self.algorithm != select.REFERENCE or self.chunk_rows > 0
+
 _registry_lock = threading.RLock()
 
 
@@ -93,6 +117,9 @@ class Communicator:
         self._destroyed = False
         self._busy = threading.Lock()  # held while a fused call runs: one thread at a time (see run_fused)
         self._error: str | None = None  # set once a fused call failed: the communicator is unusable
+        self._plans: dict[tuple, CallPlan] = {}  # kept decisions (plan): cleared when the workspace changes
+        self._plans_generation = select.tables_generation
+        self._labels: dict[str, str] = {}  # stats label per algorithm
         self._agree(max_tokens, hidden, "set-up")
         agreement.reset_numbers(self.group_name)
         self._allocate(max_tokens, hidden)
@@ -126,6 +153,12 @@ class Communicator:
         return hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()[:12]
 
     def _allocate(self, max_tokens: int, hidden: int) -> None:
+        self._plans.clear()
+        self._allocate_backend(max_tokens, hidden)
+        if self.fused is not None:
+            self._labels = {a: f"{self.fused.name}.{a}" for a in select.ALGORITHMS}
+
+    def _allocate_backend(self, max_tokens: int, hidden: int) -> None:
         if self.world_size < 2 or self.backend == "reference":
             return  # every call takes the reference path
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -175,50 +208,61 @@ class Communicator:
         return (f"{self.group_name}:{self.backend}:{self.compress}:{self.world_size}:{self.workspace_bytes}:"
                 f"{self._table_digest()}")
 
-    def choose_algorithm(self, n_tokens: int, hidden: int, dtype: torch.dtype,
-                         quantized: bool = False, epilogue: Epilogue = PLAIN) -> str:
+    def choose_algorithm(self, n_tokens: int, hidden: int, dtype: torch.dtype, epilogue: Epilogue = PLAIN) -> str:
         """The algorithm a call of this group runs (see :func:`tpfuse.select.choose_algorithm`)."""
-        if self.fused is not None and not self.fused.takes(n_tokens, quantized, epilogue):
+        if self.fused is not None and not self.fused.takes(n_tokens, epilogue):
             return select.REFERENCE
         return select.choose_algorithm(n_tokens, hidden, dtype, self.world_size, self.workspace_bytes,
                                        self.device)
 
-    def chunk_rows(self, n_tokens: int, hidden: int, dtype: torch.dtype, quantized: bool = False,
-                   epilogue: Epilogue = PLAIN) -> int:
-        """Rows per fused call for a call over the fusion limit, or 0 when it takes the reference path.
+    def plan(self, call: FusedCall) -> CallPlan:
+        """How ``call`` runs: one fused call, fused calls of a number of rows each, or the reference path.
 
-        A backend whose kernels compare the ranks' calls (ours) takes such a call as several fused calls
-        of at most ``max_token_num`` rows: no rank ever waits in the group's all-reduce, which is
+        Decided once per kind of call (row count, dtypes, hidden size, residual, block end) and kept
+        until the workspace changes. A call over the fusion limit that the kernels could take in parts
+        runs as fused calls of ``max_token_num`` rows (``CallPlan.chunk_rows``), when the backend's
+        kernels compare the ranks' calls (ours): no rank ever waits in the group's all-reduce, which is
         bounded only by the process group's timeout on GPUs, and the calls stay checked. Calls the
-        kernels cannot take (float32, a hidden size they do not support) still take the reference path.
+        kernels cannot take (float32, a hidden size they do not support) take the reference path.
         """
-        limit = self.max_token_num(hidden, dtype)
-        chunked = (self.fused is not None and self.fused.compares_calls and 0 < limit < n_tokens
-                   and self.fused.takes(limit, quantized, epilogue))
-        return limit if chunked else 0
+        if self._plans_generation != select.tables_generation:  # a table was (re)loaded: plan afresh
+            self._plans.clear()
+            self._plans_generation = select.tables_generation
+        key = (call.n_tokens, call.kernel_key())
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(call)
+        return plan
 
-    def run_fused(self, algorithm: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                  eps: float, y: torch.Tensor, h: torch.Tensor, quant_scale: torch.Tensor | None,
-                  epilogue: Epilogue = PLAIN) -> str:
-        """Run one call that :meth:`choose_algorithm` gave to a fused kernel; return its stats label.
+    def _plan(self, call: FusedCall) -> CallPlan:
+        hidden, dtype = call.hidden, call.x.dtype
+        algorithm = self.choose_algorithm(call.n_tokens, hidden, dtype, call.epilogue)
+        if algorithm != select.REFERENCE or self.fused is None or not self.fused.compares_calls:
+            return CallPlan(algorithm)
+        limit = self.max_token_num(hidden, dtype)
+        if 0 < limit < call.n_tokens and self.fused.takes(limit, call.epilogue):
+            return CallPlan(select.REFERENCE, chunk_rows=limit)
+        return CallPlan(algorithm)
+
+    def run_fused(self, call: FusedCall) -> str:
+        """Run a call that :meth:`plan` gave to a fused kernel; return its stats label
+        (``"<backend>.<algorithm>"``).
 
         One thread at a time: a call made while another thread's call of this communicator is running
         raises. Serialising them would not do: each rank would pair its calls with the peers' in
         whatever order its threads happened to run, and mismatched calls give garbage or time out.
         """
+        algorithm = self.plan(call).algorithm
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
                 f"tpfuse: group {self.group_name!r} rank {self.rank}: a fused call came from a second thread "
                 "while one was running; a communicator serves one thread at a time (give each thread its "
                 "own process group and communicator)")
         try:
-            return self._run_fused(algorithm, x, residual, weight, eps, y, h, quant_scale, epilogue)
+            self.fused.run(algorithm, call)
         finally:
             self._busy.release()
-
-    def _run_fused(self, algorithm, x, residual, weight, eps, y, h, quant_scale, epilogue) -> str:
-        self.fused.run(algorithm, x, residual, weight, eps, y, h, quant_scale, epilogue)
-        return f"{self.fused.name}.{algorithm}"
+        return self._labels[algorithm]
 
     def check_usable(self) -> None:
         """Raise if this communicator was destroyed or a kernel of it timed out."""
@@ -275,6 +319,7 @@ class Communicator:
         self._allocate(max_tokens, hidden)
 
     def _release(self) -> None:
+        self._plans.clear()
         if self.fused is not None:
             self.fused.release()
         self.fused = None

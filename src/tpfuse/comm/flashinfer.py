@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from tpfuse.comm.backend import FusedBackend
-from tpfuse.kernels.epilogue import PLAIN, Epilogue
+from tpfuse.kernels.call import FusedCall
+from tpfuse.kernels.epilogue import Epilogue
 from tpfuse.select import ONESHOT
 
 
@@ -48,22 +49,13 @@ class FlashInferBackend(FusedBackend):
     def region_bytes(self) -> int:
         return self.max_tokens * self.hidden * 2 if self._ipc_handles is not None else 0
 
-    def takes(self, n_tokens: int, quantized: bool, epilogue: Epilogue) -> bool:
-        return n_tokens > 0 and not quantized and epilogue.plain
+    def takes(self, n_tokens: int, epilogue: Epilogue) -> bool:
+        return n_tokens > 0 and epilogue.quant_scale is None and epilogue.plain
 
-    def run(
-        self,
-        algorithm: str,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        weight: torch.Tensor,
-        eps: float,
-        y: torch.Tensor,
-        h: torch.Tensor,
-        quant_scale: torch.Tensor | None = None,
-        epilogue: Epilogue = PLAIN,
-    ) -> None:
-        assert quant_scale is None and epilogue.plain, "takes() refuses fp8 output and other epilogues"
+    def run(self, algorithm: str, call: FusedCall) -> None:
+        assert call.epilogue.quant_scale is None and call.epilogue.plain, \
+            "takes() refuses fp8 output and other block ends"
+        x, residual, weight = call.x, call.residual, call.weight
         n_tokens, hidden = x.shape
         fi = self._fi
         fi.trtllm_allreduce_fusion(
@@ -80,12 +72,12 @@ class FlashInferBackend(FusedBackend):
             use_oneshot=algorithm == ONESHOT,
             allreduce_out=None,
             residual_in=residual if residual is not None else torch.zeros_like(x),
-            residual_out=h,
-            norm_out=y,
+            residual_out=call.h,
+            norm_out=call.y,
             quant_out=None,
             scale_out=None,
             rms_gamma=weight if weight.dtype == x.dtype else weight.to(x.dtype),
-            rms_eps=eps,
+            rms_eps=call.eps,
             scale_factor=None,
             layout_code=None,
         )

@@ -11,6 +11,10 @@ from tpfuse import select
 from tpfuse.comm import workspace as ws
 from tpfuse.comm.backend import FusedBackend
 from tpfuse.kernels import layout
+from tpfuse.kernels.call import FusedCall
+from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
+from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+from tpfuse.kernels.wire import wire_supported
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +57,11 @@ class TritonBackend(FusedBackend):
     def region_bytes(self) -> int:
         return self.workspace.region_bytes if self.workspace is not None else 0
 
-    def run(self, algorithm, x, residual, weight, eps, y, h, quant_scale, epilogue) -> None:
+    def run(self, algorithm: str, call: FusedCall) -> None:
         if algorithm == select.ONESHOT:
-            from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
-
-            oneshot_allreduce_add_rmsnorm(self.launch, x, residual, weight, eps, y, h, quant_scale, epilogue)
+            oneshot_allreduce_add_rmsnorm(self.launch, call)
         else:
-            from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
-            from tpfuse.kernels.wire import wire_supported
-
-            twoshot_allreduce_add_rmsnorm(self.launch, x, residual, weight, eps, y, h, quant_scale, epilogue,
-                                          wire=self.fp8_wire and wire_supported(x.shape[1]))
+            twoshot_allreduce_add_rmsnorm(self.launch, call, wire=self.fp8_wire and wire_supported(call.hidden))
 
     def set_wait_timeout(self, seconds: float) -> None:
         self.launch.wait_limit_ns = int(seconds * 1e9)

@@ -632,14 +632,16 @@ class FusionPattern:
         hidden = m.hidden
         fake_mode = detect_fake_mode([_val(m.x)])
 
-        def call(target, *args) -> Node:
-            node = graph.call_function(target, args)
+        def fake(a):
+            if isinstance(a, list):
+                return [fake(s) for s in a]
+            return _val(a) if isinstance(a, Node) else a
+
+        def call(target, *args, **kwargs) -> Node:
+            node = graph.call_function(target, args, kwargs)
             if fake_mode is not None:  # Inductor lowers from these values
-                fake_args = [_val(a) if isinstance(a, Node) else
-                             [_val(s) if isinstance(s, Node) else s for s in a] if isinstance(a, list) else a
-                             for a in args]
                 with fake_mode:
-                    node.meta["val"] = target(*fake_args)
+                    node.meta["val"] = target(*map(fake, args), **{k: fake(v) for k, v in kwargs.items()})
             return node
 
         def shape_args(shape) -> list:
@@ -666,16 +668,17 @@ class FusionPattern:
                 b = call(prims.convert_element_type.default, b, torch.float32) if len(m.biases) > 1 else b
                 bias = b if bias is None else call(aten.add.Tensor, bias, b)
             r2 = call(aten.reshape.default, m.residual, [-1, hidden]) if m.residual is not None else None
-            extras = (bias, m.sum_weight, cls.layer_norm, m.norm_bias)
+            steps = {"bias": bias, "sum_weight": m.sum_weight, "layer_norm": cls.layer_norm,
+                     "norm_bias": m.norm_bias}
             if cls.quant == "dynamic":
                 op = torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default
-                fused = call(op, x2, r2, m.weight, m.eps, m.group_name, m.scale_group, *extras)
+                fused = call(op, x2, r2, m.weight, m.eps, m.group_name, scale_group=m.scale_group, **steps)
                 y2, scales, h2 = (call(operator.getitem, fused, i) for i in range(3))
                 scales = call(aten.reshape.default, scales, shape_args(_val(m.scales).shape))
                 m.scales.replace_all_uses_with(scales)
             else:
                 op = torch.ops.tpfuse.allreduce_add_rmsnorm.default
-                fused = call(op, x2, r2, m.weight, m.eps, m.group_name, m.scale, *extras)
+                fused = call(op, x2, r2, m.weight, m.eps, m.group_name, quant_scale=m.scale, **steps)
                 y2, h2 = call(operator.getitem, fused, 0), call(operator.getitem, fused, 1)
             y = call(aten.reshape.default, y2, shape_args(_val(m.out).shape))
             h = call(aten.reshape.default, h2, shape_args(_val(m.h).shape))

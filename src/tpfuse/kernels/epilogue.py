@@ -16,6 +16,7 @@ descriptor flags (``flags``) make every rank's kernel refuse a peer whose call d
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,13 +24,13 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels import layout
-from tpfuse.kernels.fp8 import to_e4m3fn_bits
+from tpfuse.kernels.fp8 import to_fp8_bits
+from tpfuse.kernels.vendor import E4M3FN, fp8_max
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# NVIDIA's (OCP e4m3fn) fp8 on the host; the kernels take their target's format (vendor.fp8_max).
+FP8_MAX = E4M3FN.max
 #: Smallest dynamic fp8 scale: a row (or group) of zeros quantises to zeros, never to NaN.
-MIN_DYNAMIC_SCALE = 1.0 / (FP8_MAX * 512)
-_MIN_DYNAMIC_SCALE = tl.constexpr(MIN_DYNAMIC_SCALE)
-_FP8_MAX = tl.constexpr(FP8_MAX)
+MIN_DYNAMIC_SCALE = E4M3FN.min_dynamic_scale
 
 # How a call quantises y: the kernels' QUANT constexpr.
 QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
@@ -37,11 +38,16 @@ QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
 
 @dataclass(frozen=True, eq=False)
 class Epilogue:
-    """The optional steps of a call between the sum and RMSNorm's output, beyond the residual add and
-    the static fp8 scale. The default is the plain ``all-reduce (+ residual) -> RMSNorm``.
+    """A call's block end: the optional steps between the sum and the norm's output, beyond the residual
+    add. The default is the plain ``all-reduce (+ residual) -> RMSNorm``.
+
+    The fields are declared once, here: the ops' schemas (:func:`schema`), their Python signatures and
+    the compiler's replacement all come from them, in this order.
 
     Attributes
     ----------
+    quant_scale : Tensor [1] float32 or None
+        Static fp8 ``y``: ``fp8(clamp(y / quant_scale))``.
     bias : Tensor [H] or None
         Added to the sum first (a row-parallel layer's bias), in x's dtype or float32.
     sum_weight : Tensor [H] or None
@@ -52,17 +58,16 @@ class Epilogue:
     norm_bias : Tensor [H] or None
         LayerNorm's bias (only with ``layer_norm``).
     scale_group : int
-        Dynamic fp8 ``y``: 0 for none; else the elements per scale (H: one scale a token).
-    scales : Tensor [T, H // scale_group] float32 or None
-        Where a dynamic fp8 call writes its scales (``y * scale`` is the value).
+        Dynamic fp8 ``y``: 0 for none; else the elements per scale (H: one scale a token). The scales
+        are an output of the call (``FusedCall.scales``).
     """
 
+    quant_scale: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     sum_weight: torch.Tensor | None = None
     layer_norm: bool = False
     norm_bias: torch.Tensor | None = None
     scale_group: int = 0
-    scales: torch.Tensor | None = None
 
     @property
     def plain(self) -> bool:
@@ -70,28 +75,52 @@ class Epilogue:
         return (self.bias is None and self.sum_weight is None and not self.layer_norm
                 and self.scale_group == 0)
 
+    @property
+    def fp8_output(self) -> bool:
+        return self.quant_scale is not None or self.scale_group > 0
+
+    @property
+    def signature(self) -> tuple:
+        """What about this block end decides a compiled kernel: which steps, and their tensors' dtypes."""
+        return (_dtype(self.quant_scale), _dtype(self.bias), _dtype(self.sum_weight), self.layer_norm,
+                _dtype(self.norm_bias), self.scale_group)
+
     def flags(self, hidden: int) -> int:
-        """The descriptor bits (``layout.FLAG_*``) that tell this epilogue from others."""
-        return ((layout.FLAG_BIAS if self.bias is not None else 0)
+        """The descriptor bits (``layout.FLAG_*``) that tell this block end from others."""
+        return ((layout.FLAG_QUANT if self.quant_scale is not None else 0)
+                | (layout.FLAG_BIAS if self.bias is not None else 0)
                 | (layout.FLAG_SUM_NORM if self.sum_weight is not None else 0)
                 | (layout.FLAG_LAYER_NORM if self.layer_norm else 0)
                 | (layout.FLAG_NORM_BIAS if self.norm_bias is not None else 0)
                 | (layout.FLAG_DYNAMIC_TOKEN if self.scale_group == hidden else 0)
                 | (layout.FLAG_DYNAMIC_GROUP if 0 < self.scale_group < hidden else 0))
 
-    def constexprs(self, hidden: int, static_quant: bool) -> dict:
-        """The kernels' compile-time switches for this epilogue."""
+    def constexprs(self, hidden: int) -> dict:
+        """The kernels' compile-time switches for this block end."""
         dynamic = self.scale_group > 0
         return dict(HAS_BIAS=self.bias is not None, SUM_NORM=self.sum_weight is not None,
                     LAYER_NORM=self.layer_norm, HAS_NORM_BIAS=self.norm_bias is not None,
-                    QUANT=QUANT_DYNAMIC if dynamic else QUANT_STATIC if static_quant else QUANT_NONE,
+                    QUANT=QUANT_DYNAMIC if dynamic else QUANT_STATIC if self.quant_scale is not None
+                    else QUANT_NONE,
                     SCALE_GROUP=self.scale_group if dynamic and self.scale_group < hidden else 0)
 
-    def pointers(self, stand_in: torch.Tensor) -> tuple:
-        """bias, sum_weight, norm_bias and scales as kernel arguments (``stand_in`` for absent ones: never
-        read)."""
-        return tuple(t if t is not None else stand_in
-                     for t in (self.bias, self.sum_weight, self.norm_bias, self.scales))
+
+def _dtype(t: torch.Tensor | None) -> torch.dtype | None:
+    return None if t is None else t.dtype
+
+
+_TENSOR = "torch.Tensor | None"
+_SCHEMA_TYPES = {_TENSOR: "Tensor?", "bool": "bool", "int": "int"}
+
+
+def schema() -> str:
+    """The block end's steps as keyword-only arguments of an op schema, with their defaults."""
+    return ", ".join(f"{_SCHEMA_TYPES[f.type]} {f.name}={f.default}" for f in dataclasses.fields(Epilogue))
+
+
+def step_names() -> tuple[str, ...]:
+    """The block end's argument names, in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(Epilogue))
 
 
 PLAIN = Epilogue()
@@ -147,17 +176,19 @@ def _store_normed(h, w, nb, y_ptr, scale_ptr, scales_ptr, row, offs, mask, hidde
     if QUANT == 0:
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:  # y_ptr is the fp8 output viewed as uint8
+        FP8_LIMIT: tl.constexpr = fp8_max()
+        MIN_SCALE: tl.constexpr = 1.0 / (FP8_LIMIT * 512)
         if QUANT == 1:
-            y = tl.clamp(y / tl.load(scale_ptr), -_FP8_MAX, _FP8_MAX)
+            y = tl.clamp(y / tl.load(scale_ptr), -FP8_LIMIT, FP8_LIMIT)
         elif SCALE_GROUP == 0:
-            scale = tl.maximum(tl.max(tl.abs(y), axis=0) / _FP8_MAX, _MIN_DYNAMIC_SCALE)
+            scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_LIMIT, MIN_SCALE)
             tl.store(scales_ptr + row, scale)
-            y = tl.clamp(y / scale, -_FP8_MAX, _FP8_MAX)
+            y = tl.clamp(y / scale, -FP8_LIMIT, FP8_LIMIT)
         else:
             groups = tl.reshape(y, [BLOCK_H // SCALE_GROUP, SCALE_GROUP])
-            scale = tl.maximum(tl.max(tl.abs(groups), axis=1) / _FP8_MAX, _MIN_DYNAMIC_SCALE)
+            scale = tl.maximum(tl.max(tl.abs(groups), axis=1) / FP8_LIMIT, MIN_SCALE)
             g = tl.arange(0, BLOCK_H // SCALE_GROUP)
             per_row = hidden // SCALE_GROUP
             tl.store(scales_ptr + row.to(tl.int64) * per_row + g, scale, mask=g < per_row)
-            y = tl.reshape(tl.clamp(groups / scale[:, None], -_FP8_MAX, _FP8_MAX), [BLOCK_H])
-        tl.store(y_ptr + offs, to_e4m3fn_bits(y), mask=mask)
+            y = tl.reshape(tl.clamp(groups / scale[:, None], -FP8_LIMIT, FP8_LIMIT), [BLOCK_H])
+        tl.store(y_ptr + offs, to_fp8_bits(y), mask=mask)

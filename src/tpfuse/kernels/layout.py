@@ -11,7 +11,7 @@ call differs. ``tpfuse.comm.workspace`` allocates buffers of this layout; the ke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -133,3 +133,5 @@ class LaunchContext:
     world_size: int
     max_programs: int  # programs a launch may use: the same on every rank, all resident at once
     wait_limit_ns: int  # the bound of every wait for a peer, from the start of a launch
+    #: The launchers' kept decisions, one ``kernels.launch.LaunchPlan`` per kind of call.
+    plans: dict = field(default_factory=dict, repr=False)

@@ -33,12 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.epilogue import PLAIN, Epilogue, _before_residual, _load_params, _store_normed
+from tpfuse.kernels.call import FusedCall
+from tpfuse.kernels.epilogue import _before_residual, _load_params, _store_normed
+from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
                                      _multiple_of_8, _pdl_start, _peer_base, _send_to_peers, _sendable_bits,
-                                     _slots, _start_clock, _sum_in_rank_order, kernel_arguments,
-                                     launch_config)
+                                     _slots, _start_clock, _sum_in_rank_order, call_constexprs, call_scalars,
+                                     call_tensors, launch_config)
 
 
 @triton.jit
@@ -82,7 +84,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr,
     SPLIT_PUSH: tl.constexpr, PUSH_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr, X_FIRST: tl.constexpr,
 ):
-    hidden = _multiple_of_8(hidden)  # both checked by kernel_arguments
+    hidden = _multiple_of_8(hidden)  # both checked by call_constexprs
     region_elems = _multiple_of_8(region_elems)
     pid = tl.program_id(0)
     if X_FIRST:
@@ -182,26 +184,21 @@ def split_push_programs(n_tokens: int, hidden: int, programs: int, max_programs:
     return n_tokens * chunks
 
 
-def oneshot_allreduce_add_rmsnorm(
-    ctx: LaunchContext,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    y: torch.Tensor,
-    h: torch.Tensor,
-    quant_scale: torch.Tensor | None = None,
-    epilogue: Epilogue = PLAIN,
-    variant: OneShotVariant = DEFAULT_VARIANT,
-) -> None:
-    """Launch the one-shot kernel: writes ``y`` and ``h``. Inputs are checked by the caller.
+def oneshot_allreduce_add_rmsnorm(ctx: LaunchContext, call: FusedCall,
+                                  variant: OneShotVariant = DEFAULT_VARIANT) -> None:
+    """Launch the one-shot kernel for ``call``: writes its outputs. Inputs are checked by the caller.
 
     ``ctx.max_programs`` must be the same on every rank and small enough that all programs are resident
     at once (a program waits for the same program of its peers).
     """
-    n_tokens, hidden = x.shape
-    args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale, epilogue, twoshot=False)
-    block_h, num_warps, use_pdl = launch_config(hidden, x.device, variant.pdl, variant.max_warps)
+    plan = kept_plan(ctx.plans, ("oneshot", variant, call.n_tokens, call.kernel_key()),
+                     lambda: _oneshot_plan(ctx, call, variant))
+    launch(plan, call_tensors(ctx, call), call_scalars(ctx, call), call.x.device)
+
+
+def _oneshot_plan(ctx: LaunchContext, call: FusedCall, variant: OneShotVariant) -> LaunchPlan:
+    n_tokens, hidden = call.x.shape
+    block_h, num_warps, use_pdl = launch_config(hidden, call.x.device, variant.pdl, variant.max_warps)
     # One row a program, at most max_programs (the grid must be resident). Two large rows a program
     # from 65 tokens on stopped paying once rows moved 16 bytes an access: one row a program
     # made 7168/8192 x 80-128 tokens 12-18% shorter on 2 x H200 (docs/kernel-notes.md). An empty
@@ -209,10 +206,10 @@ def oneshot_allreduce_add_rmsnorm(
     programs = max(1, min(n_tokens, ctx.max_programs))
     pushers = split_push_programs(n_tokens, hidden, programs, ctx.max_programs, variant.split_push_words)
     block_c = variant.split_push_words if pushers else block_h  # a split row is wider than a chunk
-    push_chunks = triton.cdiv(hidden, block_c)
-    _oneshot_allreduce_add_rmsnorm_kernel[(pushers + programs,)](
-        *args, pushers, RANK=ctx.rank, WORLD=ctx.world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
-        CLEAR_FIRST=variant.clear_first, RELAXED_ARRIVE=variant.relaxed_arrive,
-        SPLIT_PUSH=pushers > 0, PUSH_CHUNKS=push_chunks, BLOCK_C=block_c, X_FIRST=variant.x_first,
-        num_warps=num_warps, launch_pdl=use_pdl,
-    )
+    return LaunchPlan(
+        _oneshot_allreduce_add_rmsnorm_kernel, pushers + programs, (pushers,),
+        dict(RANK=ctx.rank, WORLD=ctx.world_size, BLOCK_H=block_h, USE_PDL=use_pdl,
+             **call_constexprs(ctx, call, twoshot=False), CLEAR_FIRST=variant.clear_first,
+             RELAXED_ARRIVE=variant.relaxed_arrive, SPLIT_PUSH=pushers > 0,
+             PUSH_CHUNKS=triton.cdiv(hidden, block_c), BLOCK_C=block_c, X_FIRST=variant.x_first),
+        dict(num_warps=num_warps, launch_pdl=use_pdl))

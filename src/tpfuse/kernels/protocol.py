@@ -16,7 +16,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tpfuse.kernels import layout
-from tpfuse.kernels.epilogue import Epilogue
+from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.layout import LaunchContext
 
 # Globals a jitted function reads must be constexpr objects.
@@ -47,53 +47,44 @@ def launch_config(hidden: int, device: torch.device, pdl: bool = True,
     return block_h, num_warps, use_pdl
 
 
-def kernel_arguments(
-    ctx: LaunchContext,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    y: torch.Tensor,
-    h: torch.Tensor,
-    quant_scale: torch.Tensor | None,
-    epilogue: Epilogue,
-    twoshot: bool,
-    wire: bool = False,
-) -> tuple[tuple, dict]:
-    """Both kernels' leading positional arguments, in order, and the flags that follow from them.
+def call_tensors(ctx: LaunchContext, call: FusedCall) -> tuple:
+    """Both kernels' pointer arguments for ``call``, in order: the call's (``FusedCall.kernel_tensors``),
+    then the workspace's peer table and state vector."""
+    return (*call.kernel_tensors(), ctx.workspace.peer_ptrs, ctx.workspace.state)
 
-    An absent residual, scale or epilogue tensor is passed as a stand-in pointer the kernel never
-    reads; an fp8 ``y`` is written as bytes. The wait bound is a duration on a GPU, where a launch may
-    be captured in a CUDA graph and replayed later; on the CPU it is the launch's deadline, which every
-    program shares (the interpreter runs programs one after another, so a per-program duration would
-    add up).
+
+def call_scalars(ctx: LaunchContext, call: FusedCall) -> tuple:
+    """Both kernels' runtime scalars for ``call``: tokens, hidden, region, eps and the wait bound.
+
+    The wait bound is a duration on a GPU, where a launch may be captured in a CUDA graph and replayed
+    later; on the CPU it is the launch's deadline, which every program shares (the interpreter runs
+    programs one after another, so a per-program duration would add up).
     """
-    n_tokens, hidden = x.shape
+    n_tokens, hidden = call.x.shape
+    on_gpu = call.x.device.type == "cuda"
+    return (n_tokens, hidden, ctx.workspace.region_elems, call.eps,
+            ctx.wait_limit_ns if on_gpu else time.monotonic_ns() + ctx.wait_limit_ns)
+
+
+def call_constexprs(ctx: LaunchContext, call: FusedCall, twoshot: bool, wire: bool = False) -> dict:
+    """The switches both kernels compile in for this kind of call (decided once per kind: a plan)."""
+    n_tokens, hidden = call.x.shape
     workspace = ctx.workspace
-    on_gpu = x.device.type == "cuda"
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == layout.STATE_LEN
     # The kernels take both for multiples of 8 (16-byte rows); select.kernel_supports admits no others.
     assert hidden % 8 == 0 and workspace.region_elems % 8 == 0, (hidden, workspace.region_elems)
-    fp8_out = quant_scale is not None or epilogue.scale_group > 0
-    args = (x, residual if residual is not None else x, weight,
-            y.view(torch.uint8) if fp8_out else y, h,
-            quant_scale if quant_scale is not None else weight, *epilogue.pointers(weight),
-            workspace.peer_ptrs, workspace.state,
-            n_tokens, hidden, workspace.region_elems, eps,
-            ctx.wait_limit_ns if on_gpu else time.monotonic_ns() + ctx.wait_limit_ns)
-    flags = dict(HAS_RESIDUAL=residual is not None, **epilogue.constexprs(hidden, quant_scale is not None),
-                 DEADLINE_GIVEN=not on_gpu,
-                 DESC_FLAGS=call_flags(x.dtype, residual is not None, quant_scale is not None, twoshot)
-                 | epilogue.flags(hidden) | (layout.FLAG_FP8_WIRE if wire else 0))
-    return args, flags
+    has_residual = call.residual is not None
+    return dict(HAS_RESIDUAL=has_residual, **call.epilogue.constexprs(hidden),
+                DEADLINE_GIVEN=call.x.device.type != "cuda",
+                DESC_FLAGS=call_flags(call.x.dtype, has_residual, twoshot) | call.epilogue.flags(hidden)
+                | (layout.FLAG_FP8_WIRE if wire else 0))
 
 
-def call_flags(dtype: torch.dtype, has_residual: bool, quantized: bool, twoshot: bool) -> int:
-    """The flags word of a call's descriptor (``layout.FLAG_*``), less the epilogue's bits
+def call_flags(dtype: torch.dtype, has_residual: bool, twoshot: bool) -> int:
+    """The flags word of a call's descriptor (``layout.FLAG_*``), less the block end's bits
     (``Epilogue.flags``)."""
     return ((layout.FLAG_BF16 if dtype == torch.bfloat16 else layout.FLAG_FP16) |
-            (layout.FLAG_RESIDUAL if has_residual else 0) | (layout.FLAG_QUANT if quantized else 0) |
-            (layout.FLAG_TWOSHOT if twoshot else 0))
+            (layout.FLAG_RESIDUAL if has_residual else 0) | (layout.FLAG_TWOSHOT if twoshot else 0))
 
 
 @triton.jit

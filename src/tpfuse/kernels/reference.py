@@ -52,22 +52,21 @@ def add_rmsnorm_reference(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
-    quant_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     epilogue: Epilogue = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The epilogue of an already all-reduced ``reduced`` [T, H], in fp32.
+    """The block end of an already all-reduced ``reduced`` [T, H], in fp32.
 
     Returns ``(y, h, scales)``: ``h`` in ``out_dtype`` (default ``reduced.dtype``), ``y`` in that dtype
-    or float8_e4m3fn when ``quant_scale`` is given or the epilogue is dynamic fp8 (then ``scales``,
-    else None). ``y`` is computed from the fp32 ``h``, as the one-shot kernel does (the two-shot
-    computes it from the rounded ``h`` that travels).
+    or float8_e4m3fn when the block end quantises (dynamic fp8: then ``scales``, else None). ``y`` is
+    computed from the fp32 ``h``, as the one-shot kernel does (the two-shot computes it from the
+    rounded ``h`` that travels).
     """
     out_dtype = out_dtype or reduced.dtype
     y, h = _epilogue(reduced.float(), residual, weight, eps, epilogue)
     scales = None
-    if quant_scale is not None:
-        y = (y / quant_scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    if epilogue.quant_scale is not None:
+        y = (y / epilogue.quant_scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     elif epilogue.scale_group:
         y, scales = dynamic_fp8(y, epilogue.scale_group)
     else:
@@ -80,15 +79,14 @@ def fused_reference_float64(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
-    quant_scale: torch.Tensor | None = None,
     epilogue: Epilogue = PLAIN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole op in float64 from every rank's input: the oracle tests compare against.
 
     Returns float64 ``(y, h)``; with a static scale ``y`` is divided by it and clamped, but not rounded
-    to fp8; a dynamic fp8 epilogue does not change ``y`` (compare ``q * scales`` with it).
+    to fp8; a dynamic fp8 block end does not change ``y`` (compare ``q * scales`` with it).
     """
     y, h = _epilogue(torch.stack([x.double() for x in xs]).sum(0), residual, weight, eps, epilogue)
-    if quant_scale is not None:
-        y = (y / quant_scale.double()).clamp(-FP8_MAX, FP8_MAX)
+    if epilogue.quant_scale is not None:
+        y = (y / epilogue.quant_scale.double()).clamp(-FP8_MAX, FP8_MAX)
     return y, h

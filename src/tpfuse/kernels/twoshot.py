@@ -34,12 +34,15 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.epilogue import PLAIN, Epilogue, _before_residual, _load_params, _store_normed
+from tpfuse.kernels.call import FusedCall
+from tpfuse.kernels.epilogue import _before_residual, _load_params, _store_normed
+from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
                                      _multiple_of_8, _nan_bits, _peer_base, _poisoned, _send_to_peers,
                                      _sendable, _sendable_bits, _slots, _start_clock, _sum_in_rank_order,
-                                     _wait_row, kernel_arguments, launch_config)
+                                     _wait_row, call_constexprs, call_scalars, call_tensors,
+                                     launch_config)
 from tpfuse.kernels.wire import _WIRE_BLOCK, _decode, _encode, wire_supported
 
 
@@ -253,7 +256,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     GROUPED: tl.constexpr,
     WIRE: tl.constexpr,
 ):
-    hidden = _multiple_of_8(hidden)  # both checked by kernel_arguments
+    hidden = _multiple_of_8(hidden)  # both checked by call_constexprs
     region_elems = _multiple_of_8(region_elems)
     call, slot, slot_base, prev_slot, prev_extent = _slots(state_ptr, region_elems, WORLD, USE_PDL)
     pid = tl.program_id(0)
@@ -310,21 +313,9 @@ ALL_ROWS = 0
 GROUP_ROWS = 4
 
 
-def twoshot_allreduce_add_rmsnorm(
-    ctx: LaunchContext,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    y: torch.Tensor,
-    h: torch.Tensor,
-    quant_scale: torch.Tensor | None = None,
-    epilogue: Epilogue = PLAIN,
-    group_rows: int = GROUP_ROWS,
-    wire: bool = False,
-    max_warps: int = MAX_WARPS,
-) -> None:
-    """Launch the two-shot kernel: writes ``y`` and ``h``. Same contract as the one-shot launcher.
+def twoshot_allreduce_add_rmsnorm(ctx: LaunchContext, call: FusedCall, group_rows: int = GROUP_ROWS,
+                                  wire: bool = False, max_warps: int = MAX_WARPS) -> None:
+    """Launch the two-shot kernel for ``call``: writes its outputs. Same contract as the one-shot launcher.
 
     ``group_rows``: rows a program scatters ahead of the ones it reduces and gathers; programs with
     no more rows than that, and :data:`ALL_ROWS`, take all of their rows as one group. ``wire``: the
@@ -332,14 +323,20 @@ def twoshot_allreduce_add_rmsnorm(
     16-byte access a thread per tensor (one H200 without a peer: 4096 x 8192 in 78.9 instead of 94.3 us;
     docs/kernel-notes.md); the default stays until two GPUs measure it.
     """
-    n_tokens, hidden = x.shape
+    plan = kept_plan(ctx.plans, ("twoshot", group_rows, wire, max_warps, call.n_tokens, call.kernel_key()),
+                     lambda: _twoshot_plan(ctx, call, group_rows, wire, max_warps))
+    launch(plan, call_tensors(ctx, call), call_scalars(ctx, call), call.x.device)
+
+
+def _twoshot_plan(ctx: LaunchContext, call: FusedCall, group_rows: int, wire: bool,
+                  max_warps: int) -> LaunchPlan:
+    n_tokens, hidden = call.x.shape
     assert not wire or wire_supported(hidden), hidden
-    args, flags = kernel_arguments(ctx, x, residual, weight, eps, y, h, quant_scale, epilogue, twoshot=True,
-                                   wire=wire)
-    block_h, num_warps, use_pdl = launch_config(hidden, x.device, max_warps=max_warps)
+    block_h, num_warps, use_pdl = launch_config(hidden, call.x.device, max_warps=max_warps)
     programs = min(n_tokens, ctx.max_programs)
-    _twoshot_allreduce_add_rmsnorm_kernel[(programs,)](
-        *args, group_rows, RANK=ctx.rank, WORLD=ctx.world_size, BLOCK_H=block_h, USE_PDL=use_pdl, **flags,
-        GROUPED=group_rows != ALL_ROWS and n_tokens > group_rows * programs, WIRE=wire,
-        num_warps=num_warps, launch_pdl=use_pdl,
-    )
+    return LaunchPlan(
+        _twoshot_allreduce_add_rmsnorm_kernel, programs, (group_rows,),
+        dict(RANK=ctx.rank, WORLD=ctx.world_size, BLOCK_H=block_h, USE_PDL=use_pdl,
+             **call_constexprs(ctx, call, twoshot=True, wire=wire),
+             GROUPED=group_rows != ALL_ROWS and n_tokens > group_rows * programs, WIRE=wire),
+        dict(num_warps=num_warps, launch_pdl=use_pdl))

@@ -1,5 +1,9 @@
 """The two-shot's opt-in fp8 wire: rows travel as float8_e4m3fn codes with a power-of-two scale per block.
 
+On gfx942, whose fp8 is e4m3fnuz (a code there is worth half the e4m3fn code), each block's scale is
+twice as large, so the words on the wire and the values decoded from them are the same on every GPU
+(and :func:`wire_roundtrip`, in e4m3fn, stays exact for both).
+
 A row of H values takes H / 2 words of two fp8 codes each, then H / WIRE_BLOCK words that each hold a
 block's scale exponent (``value = code * 2**e``), padded to a multiple of 8 so that every row starts on
 16 bytes and moves in 16-byte accesses. The exponent makes the block's largest magnitude less
@@ -19,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.fp8 import from_e4m3fn_bits, to_e4m3fn_bits
+from tpfuse.kernels.fp8 import from_fp8_bits, to_fp8_bits
+from tpfuse.kernels.vendor import fp8_fnuz, fp8_max
 
 #: Elements that share a scale.
 WIRE_BLOCK = 128
@@ -72,6 +77,15 @@ def wire_error_bound(xs: list[torch.Tensor], reduced: torch.Tensor) -> torch.Ten
 
 
 @triton.jit
+def _FNUZ_SHIFT():
+    """1 where fp8 is e4m3fnuz (its codes are worth half), else 0: what the wire adds to a block's exponent."""
+    if fp8_fnuz():
+        return 1
+    else:
+        return 0
+
+
+@triton.jit
 def _encode(v, BLOCK_H: tl.constexpr):
     """An fp32 row [BLOCK_H] (masked columns zero) as (code words [BLOCK_H // 2], exponent words
     [BLOCK_H // WIRE_BLOCK]), both int16."""
@@ -79,8 +93,10 @@ def _encode(v, BLOCK_H: tl.constexpr):
     amax = tl.max(tl.abs(blocks), axis=1)
     exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 7  # amax / 2**e < 256
     exponent = tl.minimum(tl.maximum(exponent, -120), 120)  # 2**e and 2**-e stay normal floats
-    inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
-    codes = to_e4m3fn_bits(tl.clamp(blocks * inverse[:, None], -448.0, 448.0)).to(tl.int32)
+    # An e4m3fnuz code is worth half the same e4m3fn code: scaled by 2**(e + 1) instead, the block
+    # gets the same codes on gfx942, and the wire the same words and values on every GPU.
+    inverse = ((127 - exponent - _FNUZ_SHIFT()) << 23).to(tl.float32, bitcast=True)
+    codes = to_fp8_bits(tl.clamp(blocks * inverse[:, None], -fp8_max(), fp8_max())).to(tl.int32)
     codes = tl.where(codes == 0x80, 0, codes)  # -0.0 as +0.0: no word can be the sentinel
     low, high = tl.split(tl.reshape(codes, [BLOCK_H // 2, 2]))
     words = (low | (high << 8)).to(tl.int16)
@@ -92,7 +108,7 @@ def _decode(words, exponents, BLOCK_H: tl.constexpr):
     """The fp32 row of :func:`_encode`'s words, exactly. Exponent words of masked blocks may be 0."""
     w = words.to(tl.int32) & 0xFFFF
     codes = tl.reshape(tl.join(w & 0xFF, w >> 8), [BLOCK_H])
-    exponent = tl.minimum(tl.maximum(exponents.to(tl.int32) - _EXPONENT_BIAS, -126), 127)
+    exponent = tl.minimum(tl.maximum(exponents.to(tl.int32) - _EXPONENT_BIAS, -126), 127 - _FNUZ_SHIFT()) + _FNUZ_SHIFT()
     scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
-    values = tl.reshape(from_e4m3fn_bits(codes), [BLOCK_H // _WIRE_BLOCK, _WIRE_BLOCK])
+    values = tl.reshape(from_fp8_bits(codes), [BLOCK_H // _WIRE_BLOCK, _WIRE_BLOCK])
     return tl.reshape(values * scale[:, None], [BLOCK_H])

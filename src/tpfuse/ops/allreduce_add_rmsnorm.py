@@ -1,38 +1,45 @@
-"""All-reduce + residual add + RMSNorm (+ fp8) as ``torch.library`` custom ops, with the optional steps
-real models put around them (``kernels/epilogue.py``): a bias after the all-reduce, Gemma's post-norm
-before the residual add, LayerNorm instead of RMSNorm, fp8 output with a static or dynamic scale.
+"""All-reduce + residual add + RMSNorm (+ fp8) as ``torch.library`` ops, with the optional steps real
+models put around them: a bias after the all-reduce, Gemma's post-norm before the residual add,
+LayerNorm instead of RMSNorm, fp8 output with a static or dynamic scale (``kernels.epilogue.Epilogue``,
+whose fields are the ops' keyword-only arguments, declared there once).
 
 Three ops share one implementation: ``tpfuse::allreduce_add_rmsnorm`` (functional, what graphs and
 the compiler pass use), ``tpfuse::allreduce_add_rmsnorm_out`` (writes preallocated outputs) and
 ``tpfuse::allreduce_add_rmsnorm_dynamic_fp8`` (fp8 ``y`` with scales per token or per group).
-Each call picks where it runs: a fused kernel (the Triton one-shot or two-shot, or FlashInfer's,
-as :func:`tpfuse.select.choose_algorithm` decides) when the group's communicator has a workspace
-and the call fits :func:`tpfuse.select.max_token_num`, otherwise the reference path (the group's
-own all-reduce, then the same norm in torch).
+Each call is checked, made into one :class:`tpfuse.kernels.call.FusedCall`, and planned by the
+group's communicator (:meth:`tpfuse.comm.Communicator.plan`, kept per kind of call): a fused kernel
+(the Triton one-shot or two-shot, or FlashInfer's), fused calls of the limit's rows, or the reference
+path (the group's own all-reduce, then the same block end in torch). At world size 1 nothing
+travels: one kernel does the block end (``kernels.local``).
+
+The public functions call the implementation directly in eager code (a dispatcher round trip is
+most of an eager call's host time) and the ops under ``torch.compile``, tensor subclasses and
+dispatch modes.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
 import torch
 import torch.distributed as dist
 
-from tpfuse import _stats, select
+from tpfuse import _stats
 from tpfuse.comm import agreement
 from tpfuse.comm.communicator import default_wait_timeout_s, group_device, lookup_communicator, resolve_group
-from tpfuse.kernels.epilogue import PLAIN, Epilogue
+from tpfuse.kernels import epilogue as block_end
+from tpfuse.kernels import kernels_usable
+from tpfuse.kernels.call import FusedCall
+from tpfuse.kernels.epilogue import Epilogue
 from tpfuse.kernels.reference import add_rmsnorm_reference
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_DTYPE = torch.float8_e4m3fn
 
 
-def _output_dtype(x: torch.Tensor, quant_scale: torch.Tensor | None,
-                  epilogue: Epilogue = PLAIN) -> torch.dtype:
-    return FP8_DTYPE if quant_scale is not None or epilogue.scale_group else x.dtype
+def _output_dtype(x: torch.Tensor, steps: Epilogue) -> torch.dtype:
+    return FP8_DTYPE if steps.fp8_output else x.dtype
 
 
 def check_inputs(
@@ -40,10 +47,9 @@ def check_inputs(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
-    quant_scale: torch.Tensor | None = None,
+    steps: Epilogue = block_end.PLAIN,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
-    epilogue: Epilogue = PLAIN,
 ) -> None:
     """Raise ``ValueError``/``TypeError`` naming the first problem with the op's arguments."""
     if not isinstance(x, torch.Tensor):
@@ -54,15 +60,16 @@ def check_inputs(
         raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
-    shape = tuple(x.shape)
+    shape = x.shape
+    device = x.device
 
     def same_place(t: torch.Tensor, name: str) -> None:
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but x is on {device}")
 
-    gains = (("weight", weight), ("bias", epilogue.bias), ("sum_weight", epilogue.sum_weight),
-             ("norm_bias", epilogue.norm_bias))
-    for name, t in (("residual", residual), ("quant_scale", quant_scale), ("out", out),
+    gains = (("weight", weight), ("bias", steps.bias), ("sum_weight", steps.sum_weight),
+             ("norm_bias", steps.norm_bias))
+    for name, t in (("residual", residual), ("quant_scale", steps.quant_scale), ("out", out),
                     ("residual_out", residual_out)) + gains:
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor{'' if name == 'weight' else ' or None'}, "
@@ -72,42 +79,44 @@ def check_inputs(
     if residual is not None:
         if residual.dtype != x.dtype:
             raise TypeError(f"residual has dtype {residual.dtype} but x has {x.dtype}")
-        if tuple(residual.shape) != shape:
-            raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {shape}")
+        if residual.shape != shape:
+            raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {tuple(shape)}")
         if not residual.is_contiguous():
             raise ValueError("residual must be contiguous")
         same_place(residual, "residual")
     for name, t in gains:  # a row of H that every token shares
         if t is None:
             continue
-        if t.dim() != 1 or t.numel() != shape[1]:
+        if t.dim() != 1 or t.shape[0] != shape[1]:
             raise ValueError(f"{name} must have shape ({shape[1]},), got {tuple(t.shape)}")
-        if t.dtype not in (x.dtype, torch.float32):
+        if t.dtype is not x.dtype and t.dtype is not torch.float32:
             raise TypeError(f"{name} has dtype {t.dtype}; expected {x.dtype} or float32")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
         same_place(t, name)
-    if epilogue.norm_bias is not None and not epilogue.layer_norm:
+    if steps.norm_bias is not None and not steps.layer_norm:
         raise ValueError("norm_bias is LayerNorm's bias: pass layer_norm=True with it")
-    group = epilogue.scale_group
-    power_of_two = group >= 8 and group & (group - 1) == 0
-    if group and not (group == shape[1] or (power_of_two and shape[1] % group == 0)):
-        raise ValueError(f"scale_group {group} must be the hidden size {shape[1]} (a scale per token) or a "
-                         "power of two >= 8 that divides it")
-    if group and quant_scale is not None:
-        raise ValueError("quant_scale (static fp8) and a dynamic fp8 scale_group exclude each other")
+    group = steps.scale_group
+    if group:
+        power_of_two = group >= 8 and group & (group - 1) == 0
+        if not (group == shape[1] or (power_of_two and shape[1] % group == 0)):
+            raise ValueError(f"scale_group {group} must be the hidden size {shape[1]} (a scale per token) or "
+                             "a power of two >= 8 that divides it")
+        if steps.quant_scale is not None:
+            raise ValueError("quant_scale (static fp8) and a dynamic fp8 scale_group exclude each other")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    if quant_scale is not None:
-        if quant_scale.dtype != torch.float32 or quant_scale.numel() != 1:
+    if steps.quant_scale is not None:
+        if steps.quant_scale.dtype != torch.float32 or steps.quant_scale.numel() != 1:
             raise ValueError("quant_scale must be a float32 tensor of one element")
-        same_place(quant_scale, "quant_scale")
-    outputs = (("out", out, _output_dtype(x, quant_scale, epilogue)), ("residual_out", residual_out, x.dtype))
-    for name, t, dtype in outputs:
+        same_place(steps.quant_scale, "quant_scale")
+    if out is None and residual_out is None:
+        return
+    for name, t, dtype in (("out", out, _output_dtype(x, steps)), ("residual_out", residual_out, x.dtype)):
         if t is None:
             continue
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {shape}")
+        if t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
         if t.dtype != dtype:
             raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype}")
         if not t.is_contiguous():
@@ -136,134 +145,85 @@ def _group_by_name(group_name: str) -> dist.ProcessGroup:
         raise ValueError(f"tpfuse: unknown process group {group_name!r}") from exc
 
 
-def _run_fused(comm, x, residual, weight, eps, quant_scale, y, h, epilogue, checking) -> None:
-    """One fused call of ``comm``'s backend, with the algorithm its table gives for these rows."""
-    n_tokens, hidden = x.shape
-    algorithm = comm.choose_algorithm(n_tokens, hidden, x.dtype, quant_scale is not None, epilogue)
-    if checking and not comm.fused.compares_calls:
-        comm.check_call_matches(n_tokens, hidden, x.dtype, algorithm)
-    started = time.monotonic()
-    _stats.record(comm.run_fused(algorithm, x, residual, weight, eps, y, h, quant_scale, epilogue))
-    if checking:
-        comm.check_errors(waited_s=time.monotonic() - started)
+_world_sizes: dict[str, int] = {}
 
 
-def _run(x, residual, weight, eps, group_name, quant_scale, y, h, epilogue=PLAIN) -> None:
-    check_inputs(x, residual, weight, eps, quant_scale, y, h, epilogue)
-    n_tokens, hidden = x.shape
-    # Checks that wait for the host: always on the CPU, on a GPU only in debug mode and never in capture.
-    checking = x.device.type == "cpu" or (_debug() and not torch.cuda.is_current_stream_capturing())
+def _world_size(group_name: str) -> int:
+    """The size of a group by name (kept: a group's size never changes)."""
+    size = _world_sizes.get(group_name)
+    if size is None:
+        size = _world_sizes[group_name] = dist.get_world_size(_group_by_name(group_name))
+    return size
+
+
+def _run(call: FusedCall, group_name: str) -> None:
+    """Run a checked call: as its group's communicator plans it, or on the reference path."""
+    x = call.x
     comm = lookup_communicator(group_name)
     if comm is not None and comm.device == x.device:
         comm.check_usable()
-        quantized = quant_scale is not None
-        rows = max(n_tokens, 1)  # an empty call is a fused call too: it exchanges descriptors
-        if comm.choose_algorithm(n_tokens, hidden, x.dtype, quantized, epilogue) == select.REFERENCE:
-            rows = comm.chunk_rows(n_tokens, hidden, x.dtype, quantized, epilogue)
-        if rows:
-            # Calls over the workspace run as fused calls of `rows` rows each (rows are independent),
+        plan = comm.plan(call)
+        if plan.fused:
+            # Checks that wait for the host: always on the CPU, on a GPU only in debug mode, never in capture.
+            checking = x.device.type == "cpu" or (_debug() and not torch.cuda.is_current_stream_capturing())
+            if not plan.chunk_rows:
+                _run_fused(comm, call, checking)
+                return
+            # Calls over the workspace run as fused calls of `chunk_rows` rows each (rows are independent),
             # so the ranks' calls stay compared and every wait bounded (docs/reliability.md).
             try:
-                for start in range(0, max(n_tokens, 1), rows):
-                    part = slice(start, min(start + rows, n_tokens))
-                    scales = epilogue.scales[part] if epilogue.scales is not None else None
-                    rows_epilogue = dataclasses.replace(epilogue, scales=scales)
-                    _run_fused(comm, x[part], residual[part] if residual is not None else None, weight, eps,
-                               quant_scale, y[part], h[part], rows_epilogue, checking)
+                for start in range(0, call.n_tokens, plan.chunk_rows):
+                    _run_fused(comm, call.rows(start, min(start + plan.chunk_rows, call.n_tokens)), checking)
             except RuntimeError:
-                for out in (y, h, epilogue.scales):  # a failed call returns none of its rows, not even
-                    if out is not None and rows < n_tokens:  # those of chunks that went through
-                        out.fill_(float("nan"))
+                for out in call.outputs():  # a failed call returns none of its rows, not even those of
+                    out.fill_(float("nan"))  # chunks that went through
                 raise
             return
+    _run_reference(call, group_name, comm)
+
+
+def _run_fused(comm, call: FusedCall, checking: bool) -> None:
+    """One fused call of ``comm``'s backend; on the CPU (or in debug mode) checked for errors after it."""
+    if checking and not comm.fused.compares_calls:
+        comm.check_call_matches(call.n_tokens, call.hidden, call.x.dtype, comm.plan(call).algorithm)
+    if not checking:
+        _stats.record(comm.run_fused(call))
+        return
+    started = time.monotonic()
+    _stats.record(comm.run_fused(call))
+    comm.check_errors(waited_s=time.monotonic() - started)
+
+
+def _run_reference(call: FusedCall, group_name: str, comm) -> None:
+    """The group's own all-reduce in fp32, then the block end in torch; at world size 1 no all-reduce,
+    and the block end in one kernel where the kernels run."""
+    x, steps = call.x, call.epilogue
+    world_size = comm.world_size if comm is not None else _world_size(group_name)
+    if world_size == 1 and x.dtype != torch.float32 and kernels_usable(x.device):
+        from tpfuse.kernels.local import local_add_rmsnorm
+
+        local_add_rmsnorm(call)
+        _stats.record("triton.local")
+        return
     group = _group_by_name(group_name)
-    checking = checking and dist.get_world_size(group) > 1
+    checking = world_size > 1 and (x.device.type == "cpu" or (_debug() and
+                                                                not torch.cuda.is_current_stream_capturing()))
     timeout = comm.wait_timeout_s if comm is not None else default_wait_timeout_s()
     if checking:  # the kernels' comparison of calls does not cover the group's all-reduce: compare here
-        agreement.check_reference_call(group, group_device(group), n_tokens, hidden, x.dtype,
-                                       residual is not None, quant_scale is not None,
-                                       epilogue.flags(hidden), timeout)
-    if n_tokens == 0:
+        agreement.check_reference_call(group, group_device(group), call.n_tokens, call.hidden, x.dtype,
+                                       call.residual is not None, steps.quant_scale is not None,
+                                       steps.flags(call.hidden), timeout)
+    if call.n_tokens == 0:
         return
     reduced = x.to(torch.float32, copy=True)
-    agreement.all_reduce(reduced, group, timeout if checking else None, "a reference-path all-reduce")
-    y_ref, h_ref, scales = add_rmsnorm_reference(reduced, residual, weight, eps, quant_scale, x.dtype,
-                                                 epilogue)
-    y.copy_(y_ref)
-    h.copy_(h_ref)
+    if world_size > 1:
+        agreement.all_reduce(reduced, group, timeout if checking else None, "a reference-path all-reduce")
+    y, h, scales = add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype, steps)
+    call.y.copy_(y)
+    call.h.copy_(h)
     if scales is not None:
-        epilogue.scales.copy_(scales)
+        call.scales.copy_(scales)
     _stats.record("reference")
-
-
-@torch.library.custom_op("tpfuse::allreduce_add_rmsnorm", mutates_args=())
-def _allreduce_add_rmsnorm_op(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    group_name: str,
-    quant_scale: torch.Tensor | None,
-    bias: torch.Tensor | None = None,
-    sum_weight: torch.Tensor | None = None,
-    layer_norm: bool = False,
-    norm_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    y = torch.empty(x.shape, dtype=_output_dtype(x, quant_scale), device=x.device)
-    h = torch.empty_like(x)
-    _run(x, residual, weight, eps, group_name, quant_scale, y, h,
-         Epilogue(bias, sum_weight, layer_norm, norm_bias))
-    return y, h
-
-
-@_allreduce_add_rmsnorm_op.register_fake
-def _(x, residual, weight, eps, group_name, quant_scale, bias=None, sum_weight=None, layer_norm=False,
-      norm_bias=None):
-    return torch.empty(x.shape, dtype=_output_dtype(x, quant_scale), device=x.device), torch.empty_like(x)
-
-
-@torch.library.custom_op("tpfuse::allreduce_add_rmsnorm_out", mutates_args=("y", "h"))
-def _allreduce_add_rmsnorm_out_op(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    group_name: str,
-    quant_scale: torch.Tensor | None,
-    y: torch.Tensor,
-    h: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    sum_weight: torch.Tensor | None = None,
-    layer_norm: bool = False,
-    norm_bias: torch.Tensor | None = None,
-) -> None:
-    _run(x, residual, weight, eps, group_name, quant_scale, y, h,
-         Epilogue(bias, sum_weight, layer_norm, norm_bias))
-
-
-@_allreduce_add_rmsnorm_out_op.register_fake
-def _(x, residual, weight, eps, group_name, quant_scale, y, h, bias=None, sum_weight=None, layer_norm=False,
-      norm_bias=None):
-    return None
-
-
-@torch.library.custom_op("tpfuse::allreduce_add_rmsnorm_dynamic_fp8", mutates_args=())
-def _allreduce_add_rmsnorm_dynamic_fp8_op(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    group_name: str,
-    scale_group: int,
-    bias: torch.Tensor | None = None,
-    sum_weight: torch.Tensor | None = None,
-    layer_norm: bool = False,
-    norm_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, scales, h = _dynamic_fp8_outputs(x, scale_group)
-    _run(x, residual, weight, eps, group_name, None, y, h,
-         Epilogue(bias, sum_weight, layer_norm, norm_bias, scale_group, scales))
-    return y, scales, h
 
 
 def _dynamic_fp8_outputs(x: torch.Tensor, scale_group: int) -> tuple[torch.Tensor, ...]:
@@ -274,10 +234,76 @@ def _dynamic_fp8_outputs(x: torch.Tensor, scale_group: int) -> tuple[torch.Tenso
             torch.empty((n_tokens, groups), dtype=torch.float32, device=x.device), torch.empty_like(x))
 
 
-@_allreduce_add_rmsnorm_dynamic_fp8_op.register_fake
-def _(x, residual, weight, eps, group_name, scale_group, bias=None, sum_weight=None, layer_norm=False,
-      norm_bias=None):
-    return _dynamic_fp8_outputs(x, scale_group)
+def _outputs(x: torch.Tensor, steps: Epilogue) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h), empty."""
+    return torch.empty(x.shape, dtype=_output_dtype(x, steps), device=x.device), torch.empty_like(x)
+
+
+# The ops, on the cheapest registration that keeps a fake implementation for torch.compile: a Library
+# with a CompositeExplicitAutograd kernel (a torch.library.custom_op costs about twice the host time a
+# call). The block end's steps are keyword-only arguments, from Epilogue's fields.
+_lib = torch.library.Library("tpfuse", "DEF")
+_CALL = "Tensor x, Tensor? residual, Tensor weight, float eps, str group_name"
+_STEPS = block_end.schema()
+_lib.define(f"allreduce_add_rmsnorm({_CALL}, *, {_STEPS}) -> (Tensor, Tensor)")
+_lib.define(f"allreduce_add_rmsnorm_out({_CALL}, Tensor(a!) y, Tensor(b!) h, *, {_STEPS}) -> ()")
+_lib.define(f"allreduce_add_rmsnorm_dynamic_fp8({_CALL}, *, {_STEPS}) -> (Tensor, Tensor, Tensor)")
+
+
+def _functional(x, residual, weight, eps, group_name, **steps):
+    steps = Epilogue(**steps)
+    check_inputs(x, residual, weight, eps, steps)
+    y, h = _outputs(x, steps)
+    _run(FusedCall(x, residual, weight, eps, y, h, steps), group_name)
+    return y, h
+
+
+def _out(x, residual, weight, eps, group_name, y, h, **steps):
+    steps = Epilogue(**steps)
+    check_inputs(x, residual, weight, eps, steps, y, h)
+    _run(FusedCall(x, residual, weight, eps, y, h, steps), group_name)
+
+
+def _dynamic_fp8(x, residual, weight, eps, group_name, **steps):
+    steps = Epilogue(**steps)
+    check_inputs(x, residual, weight, eps, steps)
+    if steps.scale_group <= 0:
+        raise ValueError(f"scale_group must be a positive int (elements per scale), got {steps.scale_group}")
+    y, scales, h = _dynamic_fp8_outputs(x, steps.scale_group)
+    _run(FusedCall(x, residual, weight, eps, y, h, steps, scales), group_name)
+    return y, scales, h
+
+
+def _functional_fake(x, residual, weight, eps, group_name, **steps):
+    return _outputs(x, Epilogue(**steps))
+
+
+def _out_fake(x, residual, weight, eps, group_name, y, h, **steps):
+    return None
+
+
+def _dynamic_fp8_fake(x, residual, weight, eps, group_name, **steps):
+    return _dynamic_fp8_outputs(x, steps.get("scale_group", 0))
+
+
+for _name, _impl, _fake in (("allreduce_add_rmsnorm", _functional, _functional_fake),
+                            ("allreduce_add_rmsnorm_out", _out, _out_fake),
+                            ("allreduce_add_rmsnorm_dynamic_fp8", _dynamic_fp8, _dynamic_fp8_fake)):
+    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"tpfuse::{_name}", _fake, lib=_lib)
+
+
+def _through_the_op(x: torch.Tensor) -> bool:
+    """Whether a public call must go through the dispatcher: while torch.compile traces, for tensor
+    subclasses (fake, functional, DTensor) and under dispatch modes; plain eager calls run directly."""
+    return (type(x) is not torch.Tensor or torch.compiler.is_compiling()
+            or torch._C._len_torch_dispatch_stack() > 0)
+
+
+def _step_kwargs(steps: Epilogue) -> dict:
+    """The steps that differ from their defaults, as the ops' keyword arguments."""
+    return {name: value for name in block_end.step_names()
+            if (value := getattr(steps, name)) is not None and value is not False and value != 0}
 
 
 def allreduce_add_rmsnorm(
@@ -300,7 +326,7 @@ def allreduce_add_rmsnorm(
     Computes ``h = sum_ranks(x) + residual`` and ``y = h * rsqrt(mean(h**2, -1) + eps) * weight``
     with fp32 accumulation; every rank gets bit-identical ``y`` and ``h``. The optional steps, in
     order: ``+ bias`` right after the sum, ``rmsnorm(.) * sum_weight`` before the residual add
-    (Gemma 2/3), LayerNorm instead of RMSNorm for ``y`` (``layer_norm``, ``norm_bias``).
+    (Gemma 2/3), LayerNorm instead of RMSNorm for ``y`` (``layer_norm``, ``norm_bias``), fp8 ``y``.
 
     Parameters
     ----------
@@ -316,6 +342,7 @@ def allreduce_add_rmsnorm(
         The default group when None. The fused kernel runs when
         ``tpfuse.get_communicator(group)`` was called beforehand and the call fits its workspace
         (``tpfuse.select.max_token_num``); otherwise the group's own all-reduce does the reduction.
+        A group of one rank runs the block end as one kernel, with or without a communicator.
     out, residual_out : Tensor [T, H], optional
         Preallocated outputs for ``y`` and ``h``.
     quant_scale : Tensor, optional
@@ -334,17 +361,22 @@ def allreduce_add_rmsnorm(
     (y, h) : tuple of Tensor
         The normalised output and the new residual stream.
     """
-    epilogue = Epilogue(bias, sum_weight, layer_norm, norm_bias)
-    check_inputs(x, residual, weight, eps, quant_scale, out, residual_out, epilogue)
+    steps = Epilogue(quant_scale, bias, sum_weight, layer_norm, norm_bias)
+    check_inputs(x, residual, weight, eps, steps, out, residual_out)
     group_name = resolve_group(group).group_name
-    extras = (bias, sum_weight, layer_norm, norm_bias)
     if out is None and residual_out is None:
-        return torch.ops.tpfuse.allreduce_add_rmsnorm(x, residual, weight, eps, group_name, quant_scale,
-                                                      *extras)
-    y = out if out is not None else torch.empty(x.shape, dtype=_output_dtype(x, quant_scale), device=x.device)
-    h = residual_out if residual_out is not None else torch.empty_like(x)
-    torch.ops.tpfuse.allreduce_add_rmsnorm_out(x, residual, weight, eps, group_name, quant_scale, y, h,
-                                               *extras)
+        if _through_the_op(x):
+            return torch.ops.tpfuse.allreduce_add_rmsnorm(x, residual, weight, eps, group_name,
+                                                          **_step_kwargs(steps))
+        y, h = _outputs(x, steps)
+    else:
+        y = out if out is not None else torch.empty(x.shape, dtype=_output_dtype(x, steps), device=x.device)
+        h = residual_out if residual_out is not None else torch.empty_like(x)
+        if _through_the_op(x):
+            torch.ops.tpfuse.allreduce_add_rmsnorm_out(x, residual, weight, eps, group_name, y, h,
+                                                       **_step_kwargs(steps))
+            return y, h
+    _run(FusedCall(x, residual, weight, eps, y, h, steps), group_name)
     return y, h
 
 
@@ -372,11 +404,17 @@ def allreduce_add_rmsnorm_dynamic_fp8(
     -------
     (y8, scales, h) : tuple of Tensor
     """
-    scale_group = x.shape[-1] if scale_group is None and x.dim() == 2 else scale_group
-    if not isinstance(scale_group, int) or scale_group <= 0:
+    scale_group = x.shape[-1] if scale_group is None and isinstance(x, torch.Tensor) and x.dim() == 2 \
+        else scale_group
+    if isinstance(scale_group, bool) or not isinstance(scale_group, int) or scale_group <= 0:
         raise ValueError(f"scale_group must be a positive int (elements per scale), got {scale_group!r}")
-    epilogue = Epilogue(bias, sum_weight, layer_norm, norm_bias, scale_group)
-    check_inputs(x, residual, weight, eps, None, epilogue=epilogue)
-    return torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8(
-        x, residual, weight, eps, resolve_group(group).group_name, scale_group, bias, sum_weight, layer_norm,
-        norm_bias)
+    steps = Epilogue(bias=bias, sum_weight=sum_weight, layer_norm=layer_norm, norm_bias=norm_bias,
+                     scale_group=scale_group)
+    check_inputs(x, residual, weight, eps, steps)
+    group_name = resolve_group(group).group_name
+    if _through_the_op(x):
+        return torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8(x, residual, weight, eps, group_name,
+                                                                  **_step_kwargs(steps))
+    y, scales, h = _dynamic_fp8_outputs(x, scale_group)
+    _run(FusedCall(x, residual, weight, eps, y, h, steps, scales), group_name)
+    return y, scales, h

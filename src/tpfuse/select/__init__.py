@@ -145,9 +145,16 @@ def algorithm_table(world_size: int, device: torch.device | str | None = None) -
     return _load_table(device_slug(device), world_size, os.environ.get("TPFUSE_TUNE_TABLE"), environment)
 
 
+#: Incremented by :func:`reload_tables`: communicators keep their per-call decisions until it changes.
+tables_generation = 0
+
+
 def reload_tables() -> None:
-    """Forget loaded tables, so that a newly written one is used."""
+    """Forget loaded tables, so that a newly written one (or a changed ``$TPFUSE_TUNE_TABLE``) is used,
+    also by communicators that already exist."""
+    global tables_generation
     _load_table.cache_clear()
+    tables_generation += 1
 
 
 def max_token_num(

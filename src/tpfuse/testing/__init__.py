@@ -270,7 +270,9 @@ def forced_table(world_size: int, device, oneshot_max: int, fused_max: int = 409
         with open(path, "w") as fh:
             json.dump(select.AlgorithmTable(select.device_slug(device), world_size, limits).to_json(), fh)
         os.environ["TPFUSE_TUNE_TABLE"] = path
+        select.reload_tables()
         try:
             yield
         finally:
             del os.environ["TPFUSE_TUNE_TABLE"]
+            select.reload_tables()

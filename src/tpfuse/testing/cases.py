@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.epilogue import Epilogue
 from tpfuse.kernels.reference import fused_reference_float64
 
@@ -48,10 +49,23 @@ class Case:
     norm_bias: bool = False
     scale_group: int = 0
 
-    def epilogue(self, inputs: dict, scales=None) -> Epilogue:
-        """The call's :class:`Epilogue` from ``inputs`` (``scales``: where a dynamic fp8 call writes them)."""
-        return Epilogue(inputs["bias"], inputs["sum_weight"], self.layer_norm, inputs["norm_bias"],
-                        self.scale_group, scales)
+    def epilogue(self, inputs: dict) -> Epilogue:
+        """The call's block end (:class:`Epilogue`) from ``inputs``."""
+        return Epilogue(quant_scale=inputs["quant_scale"], bias=inputs["bias"], sum_weight=inputs["sum_weight"],
+                        layer_norm=self.layer_norm, norm_bias=inputs["norm_bias"], scale_group=self.scale_group)
+
+    def fused_call(self, inputs: dict, rank: int) -> FusedCall:
+        """Rank ``rank``'s call as the kernels take it, with fresh outputs poisoned with NaN (fp8: 0xFF)."""
+        x = inputs["xs"][rank]
+        steps = self.epilogue(inputs)
+        y = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+        if steps.fp8_output:
+            y = torch.full(x.shape, 0xFF, dtype=torch.uint8, device=x.device).view(torch.float8_e4m3fn)
+        scales = None
+        if self.scale_group:
+            scales = torch.full((self.tokens, self.hidden // self.scale_group), float("nan"), device=x.device)
+        return FusedCall(x, inputs["residual"], inputs["weight"], self.eps, y, torch.full_like(x, float("nan")),
+                         steps, scales)
 
     def call(self, inputs: dict, rank: int, **kwargs):
         """This rank's call through the public API: ``(y, h)``, or ``(y, h, scales)`` for dynamic fp8."""
@@ -98,7 +112,7 @@ def check_results(case: Case, world_size: int, per_rank: list[tuple[torch.Tensor
     """
     inputs = inputs or case.inputs(world_size)
     y_ref, h_ref = fused_reference_float64(inputs["xs"], inputs["residual"], inputs["weight"], case.eps,
-                                           inputs["quant_scale"], case.epilogue(inputs))
+                                           case.epilogue(inputs))
     first = per_rank[0]
     for rank, (y, h, *scales) in enumerate(per_rank):
         checks = [("y", y, y_ref), ("h", h, h_ref)]

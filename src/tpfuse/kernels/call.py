@@ -1,0 +1,79 @@
+"""One call of the fused op as one value: what the op builds once and every layer below it takes.
+
+The op checks its arguments and builds a :class:`FusedCall`; the communicator plans it (fused rows or
+the reference path), its backend runs it, the kernels' launchers read their arguments from it and the
+torch reference computes it. Nothing in between passes the call's tensors one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from tpfuse.kernels.epilogue import PLAIN, Epilogue
+
+
+@dataclass(frozen=True, eq=False)
+class FusedCall:
+    """``y, h = block_end(sum over ranks of x, residual)`` for one rank: inputs, outputs and steps.
+
+    Attributes
+    ----------
+    x : Tensor [T, H]
+        This rank's partial result (bf16, fp16 or fp32), contiguous.
+    residual : Tensor [T, H] or None
+        Added after the sum; None means zero.
+    weight : Tensor [H]
+        The norm's gain.
+    eps : float
+    y, h : Tensor [T, H]
+        Where the normed output (fp8 with an fp8 block end) and the new residual stream go.
+    epilogue : Epilogue
+        The block end's optional steps (bias, post-norm, LayerNorm, static or dynamic fp8).
+    scales : Tensor [T, H // scale_group] float32 or None
+        Where a dynamic fp8 call writes its scales.
+    """
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+    y: torch.Tensor
+    h: torch.Tensor
+    epilogue: Epilogue = PLAIN
+    scales: torch.Tensor | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.x.shape[1]
+
+    def outputs(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the call writes."""
+        return (self.y, self.h) if self.scales is None else (self.y, self.h, self.scales)
+
+    def rows(self, start: int, stop: int) -> FusedCall:
+        """The same call restricted to rows ``start:stop`` (rows are independent)."""
+        part = slice(start, stop)
+        return replace(self, x=self.x[part], residual=None if self.residual is None else self.residual[part],
+                       y=self.y[part], h=self.h[part], scales=None if self.scales is None else self.scales[part])
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The call's tensors as every kernel of ours takes them, in order: x, residual, weight, y, h,
+        quant_scale, bias, sum_weight, norm_bias, scales. An absent one is passed as ``weight``, a stand-in
+        the kernel never reads; an fp8 ``y`` as bytes (the kernels store fp8 codes)."""
+        x, weight, steps = self.x, self.weight, self.epilogue
+        return (x, self.residual if self.residual is not None else x, weight,
+                self.y.view(torch.uint8) if steps.fp8_output else self.y, self.h,
+                *(t if t is not None else weight for t in (steps.quant_scale, steps.bias, steps.sum_weight,
+                                                           steps.norm_bias, self.scales)))
+
+    def kernel_key(self) -> tuple:
+        """What about this call, besides its row count, decides a compiled kernel: dtypes, hidden size,
+        the residual and the block end's steps."""
+        return (self.hidden, self.x.dtype, self.y.dtype, self.weight.dtype, self.residual is not None,
+                self.epilogue.signature)

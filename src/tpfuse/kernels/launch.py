@@ -1,0 +1,91 @@
+"""Launching a kernel with the least host work a call: decided once, kept, then the compiled launcher.
+
+A fused call's launch depends on what changes per call (its tensors' addresses, the wait bound) and on
+what a whole kind of call shares (grid, compile-time switches, warps: a :class:`LaunchPlan`). The
+launchers build a plan once per kind of call and keep it in the group's ``LaunchContext``. On a GPU,
+the first launch of a plan goes through Triton's JIT, which compiles the kernel and checks its
+arguments; later ones call the compiled kernel's own launcher with the addresses as integers, which
+skips the JIT's binding, specialisation and cache look-up (about 25 of a launch's microseconds:
+docs/kernel-notes.md). A kernel is kept per specialisation Triton would give the arguments (16-byte
+aligned pointers, integers of 1 or multiples of 16, 64-bit integers), so a call never runs code
+compiled for other arguments. In the CPU interpreter every launch goes through the JIT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tpfuse.kernels import interpreter_enabled
+
+
+@dataclass
+class LaunchPlan:
+    """Everything a launch takes besides the call's own tensors and scalars, for one kind of call.
+
+    Attributes
+    ----------
+    kernel : triton JITFunction
+    grid : int
+        Programs of the launch.
+    scalars : tuple
+        The kernel's runtime arguments that follow the call's (the one-shot's pushers, the two-shot's
+        rows per group).
+    constexprs : dict
+        The compile-time switches, by name, in the kernel's order.
+    options : dict
+        Launch options (``num_warps``, ``launch_pdl``).
+    compiled : dict
+        The compiled kernel per argument specialisation (GPU only), filled by the first launches.
+    """
+
+    kernel: object
+    grid: int
+    scalars: tuple
+    constexprs: dict
+    options: dict
+    compiled: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        # The compiled launcher takes every parameter by position, the switches included.
+        order = {name: i for i, name in enumerate(self.kernel.arg_names)}
+        self.constexprs = dict(sorted(self.constexprs.items(), key=lambda item: order[item[0]]))
+
+
+#: Plans kept per context before they are dropped and made again (token counts a server sees may be many).
+MAX_PLANS = 1024
+
+
+def kept_plan(plans: dict, key: tuple, make) -> LaunchPlan:
+    """``plans[key]``, made by ``make()`` the first time: the one place a launch decision is made."""
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= MAX_PLANS:
+            plans.clear()
+        plan = plans[key] = make()
+    return plan
+
+
+def _specialisation(args: tuple) -> tuple:
+    """How Triton would specialise these integer launch arguments: each as 1 (a constant then), or as
+    (a multiple of 16, fits 32 bits). Floats are never specialised."""
+    return tuple(a if a == 1 else (a % 16 == 0, -2**31 <= a < 2**31) for a in args if type(a) is int)
+
+
+def launch(plan: LaunchPlan, tensors: tuple, scalars: tuple, device: torch.device) -> None:
+    """Launch ``plan.kernel`` over ``tensors`` (pointer arguments, in order) and ``scalars`` (the call's
+    runtime scalars, then ``plan.scalars`` follow)."""
+    if device.type != "cuda" or interpreter_enabled():
+        plan.kernel[(plan.grid,)](*tensors, *scalars, *plan.scalars, **plan.constexprs, **plan.options)
+        return
+    addresses = tuple(t.data_ptr() for t in tensors)
+    values = (*scalars, *plan.scalars)
+    key = (any(a & 15 for a in addresses), _specialisation(values))
+    compiled = plan.compiled.get(key)
+    if compiled is None:
+        plan.compiled[key] = plan.kernel[(plan.grid,)](*tensors, *values, **plan.constexprs, **plan.options)
+        return
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    compiled.run(plan.grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *addresses, *values, *plan.constexprs.values())

@@ -1,0 +1,57 @@
+"""The block end alone, for a group of one rank (tensor parallelism of 1): nothing to sum or send.
+
+The same model run at TP=1 still calls the fused op at every block end; here it is one kernel that
+reads x (the whole sum) and the residual once and writes y and h, with every step of
+``kernels/epilogue.py``, as the one-shot kernel computes them. No workspace, no communicator needed.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tpfuse.kernels.call import FusedCall
+from tpfuse.kernels.epilogue import _before_residual, _load_params, _store_normed
+from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
+from tpfuse.kernels.protocol import launch_config
+
+
+@triton.jit
+def _local_add_rmsnorm_kernel(
+    x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, scale_ptr, bias_ptr, sum_weight_ptr, norm_bias_ptr,
+    scales_ptr, hidden, eps,
+    BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SUM_NORM: tl.constexpr,
+    LAYER_NORM: tl.constexpr, HAS_NORM_BIAS: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    offs = row.to(tl.int64) * hidden + cols
+    w, b, sw, nb = _load_params(weight_ptr, bias_ptr, sum_weight_ptr, norm_bias_ptr, cols, mask, HAS_BIAS,
+                                SUM_NORM, HAS_NORM_BIAS)
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = _before_residual(h, b, sw, hidden, eps, HAS_BIAS, SUM_NORM)
+    if HAS_RESIDUAL:
+        h += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+    _store_normed(h, w, nb, y_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden, eps, LAYER_NORM, QUANT,
+                  SCALE_GROUP, BLOCK_H)
+
+
+_plans: dict = {}
+
+
+def _local_plan(call: FusedCall) -> LaunchPlan:
+    block_h, num_warps, _ = launch_config(call.hidden, call.x.device, pdl=False)
+    return LaunchPlan(_local_add_rmsnorm_kernel, call.n_tokens, (),
+                      dict(BLOCK_H=block_h, HAS_RESIDUAL=call.residual is not None,
+                           **call.epilogue.constexprs(call.hidden)),
+                      dict(num_warps=num_warps))
+
+
+def local_add_rmsnorm(call: FusedCall) -> None:
+    """Write ``call``'s outputs from ``x`` alone (the sum over one rank): one program a row."""
+    if call.n_tokens == 0:
+        return
+    plan = kept_plan(_plans, (call.x.device, call.n_tokens, call.kernel_key()), lambda: _local_plan(call))
+    launch(plan, call.kernel_tensors(), (call.hidden, call.eps), call.x.device)

@@ -1,0 +1,307 @@
+"""What differs between NVIDIA and AMD GPUs, in one place: for the kernels and for the host.
+
+The kernels are one Triton source for both vendors. What they do differently is chosen while a kernel
+is compiled, for the architecture it is compiled for (the compiler's own target, so a kernel built
+for gfx942 on any machine gets AMD's choices), by the helpers below:
+
+==========================  ====================================  =========================================
+what                        NVIDIA (sm_90 and newer)              AMD (gfx942 = MI300X, gfx950 = MI355X)
+==========================  ====================================  =========================================
+timer (:func:`now`)         ``%globaltimer``, nanoseconds          ``s_memrealtime``, the device's wall clock
+                                                                  (100 MHz on MI300; :func:`timer_hz`)
+PDL (:func:`pdl_start`)     ``griddepcontrol`` when launched so    none (the host never asks for it)
+polls (:func:`load_polled`) volatile loads (``ld.volatile``)      ``.cv`` loads: ``sc0 sc1``, from memory
+                                                                  every time (a volatile load is a plain
+                                                                  one there: a poll of one word became one
+                                                                  hoisted scalar load, a hang)
+words peers wait for        plain stores                          ``.wt`` stores: ``sc0 sc1``, written
+(:func:`store_shared`)                                            through to memory at system scope
+end of a call (:func:`arrive`)  relaxed or acq_rel atomic (GPU)   acq_rel atomic at system scope: release
+                                                                  (``buffer_wbl2 sc0 sc1``) of the clears
+                                                                  before a peer can write those words again
+fp8 outputs (:func:`fp8_max`)  float8_e4m3fn, largest 448         gfx942: float8_e4m3fnuz, largest 240;
+                                                                  gfx950: float8_e4m3fn
+==========================  ====================================  =========================================
+
+Under the CPU interpreter (``TRITON_INTERPRET=1``) the kernels take the choices of the architecture
+named by ``$TPFUSE_INTERPRET_ARCH`` (default ``sm90``): ``gfx942`` runs them with AMD's timer (served
+by ``kernels/interpreter.py`` at :data:`INTERPRETED_AMD_TIMER_HZ`) and FNUZ fp8, so the CPU tests run
+both vendors' code paths. docs/architecture.md says why each memory rule is met.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+log = logging.getLogger(__name__)
+
+#: The variable that names the architecture the CPU interpreter stands in for.
+INTERPRET_ARCH_ENV = "TPFUSE_INTERPRET_ARCH"
+DEFAULT_INTERPRET_ARCH = "sm90"
+#: The rate at which the interpreter serves AMD's ``s_memrealtime`` (MI300's wall clock).
+INTERPRETED_AMD_TIMER_HZ = 100_000_000
+NVIDIA_TIMER_HZ = 1_000_000_000  # %globaltimer counts nanoseconds
+_ARCH_PATTERN = re.compile(r"^(sm\d+|gfx[0-9a-f]+)$")
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """An fp8 format the fused op's fp8 outputs take.
+
+    Attributes
+    ----------
+    dtype : torch.dtype
+        ``torch.float8_e4m3fn`` or ``torch.float8_e4m3fnuz``.
+    max : float
+        Its largest finite value (448 or 240): static fp8 clamps ``y / scale`` to it, dynamic fp8
+        divides a row's (or group's) largest magnitude by it.
+    exponent_bias : int
+        7 (e4m3fn) or 8 (e4m3fnuz): a code of the FNUZ format is worth half the same e4m3fn code.
+    """
+
+    dtype: torch.dtype
+    max: float
+    exponent_bias: int
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def min_dynamic_scale(self) -> float:
+        """Smallest dynamic fp8 scale: a row (or group) of zeros quantises to zeros, never to NaN."""
+        return 1.0 / (self.max * 512)
+
+
+E4M3FN = Fp8Format(torch.float8_e4m3fn, 448.0, 7)
+E4M3FNUZ = Fp8Format(torch.float8_e4m3fnuz, 240.0, 8)
+#: Architectures whose fp8 is FNUZ in hardware (CDNA3); CDNA4 (gfx950) converts the OCP formats.
+FNUZ_ARCHES = ("gfx940", "gfx941", "gfx942")
+
+
+def _check_arch(arch: str, source: str) -> str:
+    if not _ARCH_PATTERN.match(arch):
+        raise ValueError(f"tpfuse: {source} is {arch!r}; expected an NVIDIA 'sm<NN>' (sm90) or an AMD "
+                         "'gfx<id>' (gfx942, gfx950)")
+    return arch
+
+
+def fp8_format_of(arch: str) -> Fp8Format:
+    """The fp8 format of the fused op's outputs on ``arch``."""
+    return E4M3FNUZ if arch in FNUZ_ARCHES else E4M3FN
+
+
+@dataclass(frozen=True)
+class Target:
+    """The GPU architecture kernels are built for: a device's, or the one the CPU interpreter stands in for.
+
+    Attributes
+    ----------
+    arch : str
+        ``sm90`` (NVIDIA, compute capability 9.0), ``gfx942`` (AMD MI300X), ``gfx950`` (MI355X), ...
+    interpreted : bool
+        True for the CPU interpreter (``TRITON_INTERPRET=1``) running the kernels as ``arch`` would.
+    """
+
+    arch: str
+    interpreted: bool = False
+
+    @property
+    def amd(self) -> bool:
+        return self.arch.startswith("gfx")
+
+    @property
+    def vendor(self) -> str:
+        return "amd" if self.amd else "nvidia"
+
+    @property
+    def warp_size(self) -> int:
+        """Threads of a warp (NVIDIA) or wavefront (AMD's data-centre GPUs)."""
+        return 64 if self.amd else 32
+
+    @property
+    def max_warps(self) -> int:
+        """Warps a program may have: 1024 threads on both vendors."""
+        return 1024 // self.warp_size
+
+    @property
+    def has_pdl(self) -> bool:
+        """Programmatic dependent launch: NVIDIA Hopper and newer only (ROCm has none)."""
+        return not self.amd and not self.interpreted and int(self.arch[2:]) >= 90
+
+    @property
+    def fp8(self) -> Fp8Format:
+        return fp8_format_of(self.arch)
+
+
+def interpreted_arch() -> str:
+    """The architecture the CPU interpreter runs the kernels as: ``$TPFUSE_INTERPRET_ARCH`` or sm90."""
+    return _check_arch(os.environ.get(INTERPRET_ARCH_ENV) or DEFAULT_INTERPRET_ARCH, f"${INTERPRET_ARCH_ENV}")
+
+
+def on_rocm() -> bool:
+    """Whether this torch is a ROCm build (its "cuda" devices are AMD GPUs)."""
+    return torch.version.hip is not None
+
+
+def target(device: torch.device | str | None = None) -> Target:
+    """The :class:`Target` of ``device`` (a GPU; the CPU: the interpreter's, see :func:`interpreted_arch`)."""
+    device = torch.device(device or "cpu")
+    if device.type != "cuda":
+        return Target(interpreted_arch(), interpreted=True)
+    return _gpu_target(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _gpu_target(index: int) -> Target:
+    props = torch.cuda.get_device_properties(index)
+    if on_rocm():
+        # "gfx942:sramecc+:xnack-": the architecture, then its features.
+        return Target(_check_arch(props.gcnArchName.split(":")[0], f"GPU {index}'s gcnArchName"))
+    return Target(f"sm{props.major}{props.minor}")
+
+
+def timer_hz(device: torch.device | str | None = None) -> int:
+    """Ticks a second of the timer the kernels read (:func:`now`) on ``device``."""
+    device = torch.device(device or "cpu")
+    tgt = target(device)
+    if not tgt.amd:
+        return NVIDIA_TIMER_HZ
+    if tgt.interpreted:
+        return INTERPRETED_AMD_TIMER_HZ
+    return _amd_wall_clock_hz(torch.cuda.current_device() if device.index is None else device.index)
+
+
+_HIP_WALL_CLOCK_RATE = 10017  # hipDeviceAttributeWallClockRate (hip_runtime_api.h), in kHz
+_ASSUMED_AMD_TIMER_HZ = 100_000_000
+
+
+@functools.cache
+def _amd_wall_clock_hz(index: int) -> int:
+    """The rate of ``s_memrealtime`` on GPU ``index``, from the HIP runtime torch has loaded."""
+    khz = ctypes.c_int(0)
+    try:
+        hip = ctypes.CDLL("libamdhip64.so")  # already loaded by torch: dlopen finds it by name
+        status = hip.hipDeviceGetAttribute(ctypes.byref(khz), _HIP_WALL_CLOCK_RATE, index)
+    except OSError as exc:
+        status = f"libamdhip64.so: {exc}"
+    if status != 0 or khz.value <= 0:
+        log.warning("tpfuse: could not read GPU %d's wall clock rate (%s); waits for peers assume %d MHz",
+                    index, status, _ASSUMED_AMD_TIMER_HZ // 1_000_000)
+        return _ASSUMED_AMD_TIMER_HZ
+    return khz.value * 1000
+
+
+def wait_ticks(device: torch.device | str | None, seconds: float) -> int:
+    """A wait bound of ``seconds`` in ticks of the kernels' timer on ``device``."""
+    return int(seconds * timer_hz(device))
+
+
+def cpu_timer_ticks(device: torch.device | str | None = None) -> int:
+    """The interpreter's timer now, as the kernels read it on the CPU: a launch's deadline starts here."""
+    return time.monotonic_ns() * timer_hz(device) // 1_000_000_000
+
+
+# --- Compile-time choices, for the kernels -------------------------------------------------------------
+# These are Triton builtins: the compiler calls them with its state, from which they read the
+# architecture being compiled for; they return constexprs, so each kernel keeps one vendor's code only.
+# The interpreter calls them as plain functions (no compiler state): then the interpreted arch decides.
+
+
+def _builtin(fn):
+    fn.__triton_builtin__ = True
+    return fn
+
+
+def _compiled_arch(_semantic) -> str:
+    if _semantic is None:
+        return interpreted_arch()
+    return _semantic.builder.options.arch  # "sm90" / "gfx942": the compile target's own name
+
+
+@_builtin
+def on_amd(_semantic=None):
+    """constexpr: the kernel is compiled for (or interpreted as) an AMD GPU."""
+    return tl.constexpr(_compiled_arch(_semantic).startswith("gfx"))
+
+
+@_builtin
+def fp8_fnuz(_semantic=None):
+    """constexpr: fp8 outputs are float8_e4m3fnuz (gfx942), not float8_e4m3fn."""
+    return tl.constexpr(fp8_format_of(_compiled_arch(_semantic)) is E4M3FNUZ)
+
+
+@_builtin
+def fp8_max(_semantic=None):
+    """constexpr: the largest finite value of the fp8 output format (448 or 240)."""
+    return tl.constexpr(fp8_format_of(_compiled_arch(_semantic)).max)
+
+
+@triton.jit
+def now():
+    """The GPU's timer, in ticks of :func:`timer_hz`. Inline assembly on both vendors (not Triton's
+    ``globaltimer`` / ``memrealtime``), so that ``kernels/interpreter.py`` can serve it on the CPU."""
+    if on_amd():
+        return tl.inline_asm_elementwise("s_memrealtime $0\ns_waitcnt lgkmcnt(0)", "=s", [], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+    else:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """With programmatic dependent launch (USE_PDL, NVIDIA) the kernel was launched early: wait until the
+    previous kernel's writes are visible, then let the next kernel launch early too. Before any load."""
+    if USE_PDL:
+        tl.static_assert(not on_amd(), "PDL is NVIDIA's: launch with USE_PDL=False on AMD (Target.has_pdl)")
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def load_polled(ptrs, mask):
+    """Load words that a peer writes, as a wait reads them: from memory on every call, never a value
+    a cache or the compiler kept. Masked lanes read 0."""
+    if on_amd():
+        # sc0 sc1: past both cache levels. A volatile load alone is a plain load on AMD.
+        return tl.load(ptrs, mask=mask, other=0, cache_modifier=".cv", volatile=True)
+    else:
+        return tl.load(ptrs, mask=mask, other=0, volatile=True)
+
+
+@triton.jit
+def store_shared(ptrs, values, mask):
+    """Store words a peer waits for (data and descriptors pushed to peers), or the sentinel that clears
+    them in our own buffer: written through to memory, where peers and polls read."""
+    if on_amd():
+        tl.store(ptrs, values, mask=mask, cache_modifier=".wt")
+    else:
+        tl.store(ptrs, values, mask=mask)
+
+
+@triton.jit
+def arrive(ptr, RELAXED: tl.constexpr):
+    """Count this program's arrival at the end of a call (an atomic add of 1); returns the count before.
+
+    On AMD it releases at system scope: every store of this program (its clears of the previous slot
+    above all) is out of its caches before the call can end, hence before any peer, which needs our
+    next call's data first, writes those words again. NVIDIA keeps the measured choice (RELAXED).
+    """
+    if on_amd():
+        return tl.atomic_add(ptr, 1, sem="acq_rel", scope="sys")
+    elif RELAXED:
+        return tl.atomic_add(ptr, 1, sem="relaxed")
+    else:
+        return tl.atomic_add(ptr, 1, sem="acq_rel")
