@@ -20,9 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--world-size", type=int, default=None)
     bench = sub.add_parser("bench", help="benchmarks (run under torchrun on GPUs)")
-    bench.add_argument("what", choices=["kernel", "e2e"])
-    bench.add_argument("--hidden", default="4096,7168,8192", help="kernel")
-    bench.add_argument("--tokens", default=POWERS_OF_TWO_TO_8192, help="kernel")
+    bench.add_argument("what", choices=["kernel", "e2e", "host"])
+    bench.add_argument("--hidden", default=None, help="kernel (default 4096,7168,8192), host (default 4096)")
+    bench.add_argument("--tokens", default=None,
+                       help=f"kernel (default {POWERS_OF_TWO_TO_8192}), host (default 1,64)")
     bench.add_argument(
         "--providers",
         default=None,
@@ -76,10 +77,15 @@ def main(argv: list[str] | None = None) -> int:
         providers = args.providers.split(",") if args.providers else list(PROVIDERS)
         return run_e2e_bench(args.preset, args.layers, _ints(args.batches), args.prefill, providers, args.out,
                              args.mode, args.client, args.profile)
+    if args.what == "host":
+        from tpfuse.bench.host import run_host_bench
+
+        return run_host_bench(_ints(args.hidden or "4096"), _ints(args.tokens or "1,64"), args.out)
     from tpfuse.bench.kernel import run_kernel_bench
 
     providers = args.providers or "tpfuse,nccl,symm_mem,flashinfer,floor,launch"
-    return run_kernel_bench(_ints(args.hidden), _ints(args.tokens), providers.split(","), args.out,
+    return run_kernel_bench(_ints(args.hidden or "4096,7168,8192"), _ints(args.tokens or POWERS_OF_TWO_TO_8192),
+                            providers.split(","), args.out,
                             tuple(args.epilogue.split(",")))
 
 

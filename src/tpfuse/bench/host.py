@@ -1,0 +1,257 @@
+"""``python -m tpfuse bench host``: host microseconds a fused call costs, beside torch's unfused chain.
+
+Outside CUDA graphs (``tpfuse.compile``'s default mode, the op in eager code, prefill in most engines)
+every call's host work is paid on the critical path. This measures it per call, as the median of
+``perf_counter`` around single calls (the launch queue kept short: the device is synchronised every
+:data:`CALLS_PER_SYNC` calls, outside the timed spans):
+
+- ``launch oneshot`` / ``launch twoshot``: the kernel's launcher alone (``kernels.oneshot`` /
+  ``kernels.twoshot``), a plan kept from earlier calls.
+- ``op oneshot`` / ``op twoshot``: the whole public op, ``tpfuse.allreduce_add_rmsnorm`` in eager
+  code (checks, the communicator's plan, the launch), the algorithm forced by a table.
+- ``op world size 1``: the op on a group of one rank (the block end as one kernel, no communication),
+  also timed on the GPU (CUDA-graph replays), beside
+- ``torch add + rms_norm``: torch's eager residual add and ``rms_norm`` (host and GPU), and with two or
+  more ranks ``torch all_reduce + add + rms_norm`` (the group's NCCL all-reduce first).
+
+With one GPU (no torchrun) two ranks share it, as ``scripts/loopback_latency.py`` does: rank 0's calls
+are timed, rank 1's kernels are launched after each (untimed) on a stream of their own. Under torchrun
+with one GPU a rank, the ranks are real and the slowest rank's median is reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from tpfuse import select
+
+#: Calls between synchronisations: the device never falls far behind, and no launch blocks on a full queue.
+CALLS_PER_SYNC = 32
+EPS = 1e-6
+
+
+def host_us(call: Callable[[], object], after: Callable[[], object] | None = None, calls: int = 2000,
+            warmup: int = 64) -> float:
+    """Median host microseconds of ``call()``; ``after()`` (untimed) follows each call."""
+    samples = []
+    for i in range(warmup + calls):
+        start = time.perf_counter_ns()
+        call()
+        elapsed = time.perf_counter_ns() - start
+        if after is not None:
+            after()
+        if i >= warmup:
+            samples.append(elapsed)
+        if i % CALLS_PER_SYNC == CALLS_PER_SYNC - 1 and torch.cuda.is_available():
+            torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    samples.sort()
+    return samples[len(samples) // 2] / 1000
+
+
+def _slowest(value: float) -> float:
+    """The largest of the ranks' values (the value itself with one process)."""
+    if dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _torch_chain(x, residual, weight, all_reduce: bool):
+    def chain():
+        if all_reduce:
+            dist.all_reduce(x)
+        h = x + residual
+        return torch.nn.functional.rms_norm(h, (h.shape[-1],), weight, EPS), h
+    return chain
+
+
+def _gpu_us(fn: Callable[[], object]) -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    from tpfuse.bench.timing import graph_replay_us
+
+    return graph_replay_us(fn)
+
+
+def _world_size_one_rows(tokens: int, hidden: int, device) -> list[dict]:
+    """The op on a group of one rank, and torch's chain without an all-reduce."""
+    import tpfuse
+
+    g = torch.Generator(device=device).manual_seed(tokens)
+    x, residual = (torch.randn(tokens, hidden, generator=g, device=device, dtype=torch.bfloat16)
+                   for _ in range(2))
+    weight = torch.randn(hidden, generator=g, device=device, dtype=torch.bfloat16)
+    alone = dist.new_group([dist.get_rank()]) if dist.get_world_size() > 1 else dist.group.WORLD
+    rows = []
+    for name, fn in (("op world size 1", lambda: tpfuse.allreduce_add_rmsnorm(x, residual, weight, EPS,
+                                                                            group=alone)),
+                     ("torch add + rms_norm", _torch_chain(x, residual, weight, all_reduce=False))):
+        rows.append(dict(ranks=1, what=name, host_us=_slowest(host_us(fn)), gpu_us=_gpu_us(fn)))
+    return rows
+
+
+def _loopback_rows(tokens: int, hidden: int, device) -> list[dict]:
+    """Two ranks on this process's GPU: the launchers and the whole op (rank 0 timed)."""
+    import tpfuse
+    from tpfuse.kernels import layout
+    from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
+    from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+    from tpfuse.testing import forced_table, local_launch_contexts
+    from tpfuse.testing.cases import Case
+    from tpfuse.testing.loopback import loopback_communicator
+
+    world = 2
+    contexts = local_launch_contexts(device, tokens * hidden, world)
+    case = Case(tokens, hidden, seed=tokens)
+    inputs = case.inputs(world, device)
+    calls = [case.fused_call(inputs, r) for r in range(world)]
+    streams = [torch.cuda.Stream(device) for _ in range(world)]
+    launchers = {select.ONESHOT: oneshot_allreduce_add_rmsnorm, select.TWOSHOT: twoshot_allreduce_add_rmsnorm}
+
+    def on_stream(rank: int, fn: Callable[[], object]) -> Callable[[], object]:
+        def run():
+            with torch.cuda.stream(streams[rank]):
+                fn()
+        return run
+
+    # Loading a kernel waits for the device to be idle, so a rank's first launch would wait out its peer's
+    # (see scripts/loopback_latency.py): load both kernels with a short bound, then start afresh.
+    for ctx in contexts:
+        ctx.wait_limit_ns = 10**6
+    for launcher in launchers.values():
+        for rank in range(world):
+            on_stream(rank, lambda launcher=launcher, rank=rank: launcher(contexts[rank], calls[rank]))()
+        torch.cuda.synchronize()
+    for ctx in contexts:
+        ctx.wait_limit_ns = 2 * 10**9
+        ctx.workspace.buffer.fill_(layout.SENTINEL)
+        ctx.workspace.state.zero_()
+    torch.cuda.synchronize()
+    rows = []
+    for algorithm, launcher in launchers.items():
+        peer = on_stream(1, lambda launcher=launcher: launcher(contexts[1], calls[1]))
+        own = on_stream(0, lambda launcher=launcher: launcher(contexts[0], calls[0]))
+        rows.append(dict(ranks=world, what=f"launch {algorithm}", host_us=host_us(own, after=peer)))
+    comm = loopback_communicator(dist.group.WORLD, contexts[0])
+    call = calls[0]
+    try:
+        for algorithm, launcher in launchers.items():
+            oneshot_max = tokens if algorithm == select.ONESHOT else 0
+            with forced_table(world, device, oneshot_max, hiddens=(hidden,)):
+                planned = comm.plan(call).algorithm
+                if planned != algorithm:
+                    raise RuntimeError(f"tpfuse: the loopback op would run {planned}, not {algorithm}")
+                peer = on_stream(1, lambda launcher=launcher: launcher(contexts[1], calls[1]))
+                op = on_stream(0, lambda: tpfuse.allreduce_add_rmsnorm(
+                    call.x, call.residual, call.weight, call.eps, out=call.y, residual_out=call.h))
+                rows.append(dict(ranks=world, what=f"op {algorithm}", host_us=host_us(op, after=peer)))
+    finally:
+        comm.destroy()
+    errors = [c.workspace.state[layout.STATE_ERROR].item() for c in contexts]
+    if any(errors):
+        raise RuntimeError(f"tpfuse: a loopback call failed (error entries {errors}): the times are void")
+    return rows
+
+
+def _group_rows(tokens: int, hidden: int, device) -> list[dict]:
+    """Real ranks (torchrun): the launchers and the op through the group's communicator."""
+    import tpfuse
+    from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
+    from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+    from tpfuse.testing import forced_table
+    from tpfuse.testing.cases import Case
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    comm = tpfuse.get_communicator(max_tokens=tokens, hidden=hidden)
+    case = Case(tokens, hidden, seed=tokens)
+    inputs = case.inputs(world, device)
+    call = case.fused_call(inputs, rank)
+    rows = []
+    for algorithm, launcher in ((select.ONESHOT, oneshot_allreduce_add_rmsnorm),
+                                (select.TWOSHOT, twoshot_allreduce_add_rmsnorm)):
+        rows.append(dict(ranks=world, what=f"launch {algorithm}",
+                         host_us=_slowest(host_us(lambda: launcher(comm.fused.launch, call)))))
+        oneshot_max = tokens if algorithm == select.ONESHOT else 0
+        with forced_table(world, device, oneshot_max, hiddens=(hidden,)):
+            dist.barrier()
+            op = lambda: tpfuse.allreduce_add_rmsnorm(call.x, call.residual, call.weight, call.eps,  # noqa: E731
+                                                      out=call.y, residual_out=call.h)
+            rows.append(dict(ranks=world, what=f"op {algorithm}", host_us=_slowest(host_us(op))))
+    comm.check_errors()
+    chain = _torch_chain(call.x.clone(), call.residual, call.weight, all_reduce=True)
+    rows.append(dict(ranks=world, what="torch all_reduce + add + rms_norm", host_us=_slowest(host_us(chain))))
+    return rows
+
+
+@contextlib.contextmanager
+def _process_group():
+    """torchrun's NCCL group, or a group of this process alone on the current GPU (or the CPU)."""
+    if "RANK" in os.environ:
+        from tpfuse.bench.kernel import finish_torchrun, init_torchrun
+
+        init_torchrun()
+        try:
+            yield
+        finally:
+            finish_torchrun()
+        return
+    cuda = torch.cuda.is_available()
+    store = dist.HashStore()
+    if cuda:
+        dist.init_process_group("nccl", store=store, rank=0, world_size=1,
+                                device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        import tpfuse
+
+        tpfuse.destroy_all()
+        dist.destroy_process_group()
+
+
+def bench_host(hiddens: list[int], tokens: list[int]) -> list[dict]:
+    """The rows of ``bench host`` (every rank returns them; call inside a process group)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rows = []
+    for hidden in hiddens:
+        for n in tokens:
+            size = dict(tokens=n, hidden=hidden)
+            found = _world_size_one_rows(n, hidden, device)
+            if cuda:  # two ranks need a GPU (the interpreter runs one launch at a time)
+                found += _group_rows(n, hidden, device) if dist.get_world_size() > 1 else \
+                    _loopback_rows(n, hidden, device)
+            rows += [dict(size, **row) for row in found]
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'tokens x hidden':>16}  {'ranks':>5}  {'what':<36} {'host us':>8} {'GPU us':>8}")
+    for row in rows:
+        gpu = f"{row['gpu_us']:8.2f}" if row.get("gpu_us") is not None else f"{'':>8}"
+        print(f"{row['tokens']:>7} x {row['hidden']:<6}  {row['ranks']:>5}  {row['what']:<36} "
+              f"{row['host_us']:8.2f} {gpu}")
+
+
+def run_host_bench(hiddens: list[int], tokens: list[int], out_dir: str) -> int:
+    """Entry point of ``python -m tpfuse bench host``: alone on one GPU (two ranks share it), or under
+    torchrun with one GPU a rank."""
+    from tpfuse.bench.output import write_csv
+
+    with _process_group():
+        rows = bench_host(hiddens, tokens)
+        if dist.get_rank() == 0:
+            print_rows(rows)
+            write_csv(rows, out_dir, "host.csv")
+    return 0

@@ -1,0 +1,108 @@
+"""The eager call path: decisions made once per kind of call and kept (counted), and world size 1."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpfuse
+from tpfuse.testing import rank_backends, rank_device
+from tpfuse.testing.cases import Case, check_results
+
+needs_kernels = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                   reason="needs a GPU or TRITON_INTERPRET=1")
+
+# Every block end the local kernel runs, as the op's arguments.
+WORLD_ONE_CASES = [
+    Case(3, 64),
+    Case(2, 96, residual=False, dtype=torch.float16),
+    Case(2, 64, bias=True, weight_fp32=True),
+    Case(2, 64, sum_norm=True, quant_scale=0.05),
+    Case(2, 64, layer_norm=True, norm_bias=True, bias=True),
+    Case(2, 128, scale_group=64),
+    Case(2, 64, scale_group=64, sum_norm=True),
+]
+
+
+@pytest.fixture
+def one_rank_group():
+    """The default group, of this process alone (gloo): world size 1, no rank processes."""
+    from tpfuse.testing import _free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        tpfuse.destroy_all()
+        dist.destroy_process_group()
+
+
+@needs_kernels
+def test_world_size_one_runs_the_block_end_as_one_kernel(one_rank_group):
+    """A group of one rank: the op's outputs match float64 for every block end, from the local kernel
+    (counted under ``triton.local``), with and without a communicator."""
+    for i, case in enumerate(WORLD_ONE_CASES):
+        if i == 1:
+            tpfuse.get_communicator(max_tokens=4, hidden=128)  # a group of one has no workspace
+        inputs = case.inputs(1)
+        tpfuse.reset_stats()
+        got = case.call(inputs, 0)
+        assert tpfuse.stats() == {"triton.local": 1}, case
+        check_results(case, 1, [got], inputs)
+
+
+def _count_decisions(monkeypatch, counts: dict) -> None:
+    """Count every decision the per-call path should keep: the communicator's plan, the algorithm
+    choice, and the launch plans (LaunchPlan objects)."""
+    from tpfuse import select
+    from tpfuse.comm.communicator import Communicator
+    from tpfuse.kernels import launch
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(Communicator, "_plan", counted("call plan", Communicator._plan))
+    monkeypatch.setattr(select, "choose_algorithm", counted("algorithm", select.choose_algorithm))
+    monkeypatch.setattr(launch.LaunchPlan, "__post_init__", counted("launch plan", launch.LaunchPlan.__post_init__))
+
+
+def _repeated_calls(rank, world_size, backend, tokens):
+    import pytest as _pytest
+
+    from tpfuse.testing import forced_table
+
+    counts: dict = {}
+    with _pytest.MonkeyPatch.context() as monkeypatch, forced_table(world_size, rank_device(backend, rank), 4):
+        _count_decisions(monkeypatch, counts)
+        tpfuse.get_communicator(max_tokens=16, hidden=64)
+        results = []
+        for seed in range(4):  # fresh tensors each call: only their addresses change
+            case = Case(tokens, 64, seed=seed)
+            inputs = case.inputs(world_size, rank_device(backend, rank))
+            results.append((case, [t.cpu() for t in case.call(inputs, rank)]))
+        first = dict(counts)
+        for seed in range(4, 8):
+            case = Case(tokens, 64, seed=seed)
+            inputs = case.inputs(world_size, rank_device(backend, rank))
+            results.append((case, [t.cpu() for t in case.call(inputs, rank)]))
+    tpfuse.destroy_all()
+    return first, counts, results
+
+
+@pytest.mark.parametrize("backend", rank_backends())
+@pytest.mark.parametrize("tokens", [2, 9])  # the one-shot, then the two-shot (forced table: one-shot to 4)
+def test_repeated_calls_decide_once(rank_pool, backend, tokens):
+    """The same kind of call, made again with new tensors, recomputes nothing the first call decided:
+    one communicator plan, one algorithm choice, one launch plan, however many calls follow."""
+    per_rank = rank_pool(2, backend).run(_repeated_calls, backend, tokens)
+    for first, total, _ in per_rank:
+        assert first == {"call plan": 1, "algorithm": 1, "launch plan": 1}, first
+        assert total == first, f"later calls decided again: {total} after the first four calls' {first}"
+    for i in range(len(per_rank[0][2])):
+        case = per_rank[0][2][i][0]
+        check_results(case, 2, [results[i][1] for _, _, results in per_rank])
