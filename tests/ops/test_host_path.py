@@ -43,10 +43,11 @@ def one_rank_group():
 def test_world_size_one_runs_the_block_end_as_one_kernel(one_rank_group):
     """A group of one rank: the op's outputs match float64 for every block end, from the local kernel
     (counted under ``triton.local``), with and without a communicator."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     for i, case in enumerate(WORLD_ONE_CASES):
         if i == 1:
             tpfuse.get_communicator(max_tokens=4, hidden=128)  # a group of one has no workspace
-        inputs = case.inputs(1)
+        inputs = case.inputs(1, device)
         tpfuse.reset_stats()
         got = case.call(inputs, 0)
         assert tpfuse.stats() == {"triton.local": 1}, case
