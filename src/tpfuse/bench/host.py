@@ -82,6 +82,18 @@ def _gpu_us(fn: Callable[[], object]) -> float | None:
     return graph_replay_us(fn)
 
 
+def _launchers(tokens: int, world: int) -> dict:
+    """The algorithms a call of ``tokens`` rows can take, with their launchers (the two-shot needs a row
+    for every rank)."""
+    from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
+    from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+
+    launchers = {select.ONESHOT: oneshot_allreduce_add_rmsnorm}
+    if tokens >= world:
+        launchers[select.TWOSHOT] = twoshot_allreduce_add_rmsnorm
+    return launchers
+
+
 def _world_size_one_rows(tokens: int, hidden: int, device) -> list[dict]:
     """The op on a group of one rank, and torch's chain without an all-reduce."""
     import tpfuse
@@ -103,8 +115,6 @@ def _loopback_rows(tokens: int, hidden: int, device) -> list[dict]:
     """Two ranks on this process's GPU: the launchers and the whole op (rank 0 timed)."""
     import tpfuse
     from tpfuse.kernels import layout
-    from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
-    from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
     from tpfuse.testing import forced_table, local_launch_contexts
     from tpfuse.testing.cases import Case
     from tpfuse.testing.loopback import loopback_communicator
@@ -115,7 +125,7 @@ def _loopback_rows(tokens: int, hidden: int, device) -> list[dict]:
     inputs = case.inputs(world, device)
     calls = [case.fused_call(inputs, r) for r in range(world)]
     streams = [torch.cuda.Stream(device) for _ in range(world)]
-    launchers = {select.ONESHOT: oneshot_allreduce_add_rmsnorm, select.TWOSHOT: twoshot_allreduce_add_rmsnorm}
+    launchers = _launchers(tokens, world)
 
     def on_stream(rank: int, fn: Callable[[], object]) -> Callable[[], object]:
         def run():
@@ -136,10 +146,14 @@ def _loopback_rows(tokens: int, hidden: int, device) -> list[dict]:
         ctx.workspace.buffer.fill_(layout.SENTINEL)
         ctx.workspace.state.zero_()
     torch.cuda.synchronize()
+    # Rank 0's calls run on the current stream, set once (entering a stream context costs more host
+    # time than a launch); rank 1's enter theirs, untimed.
+    before = torch.cuda.current_stream(device)
+    torch.cuda.set_stream(streams[0])
     rows = []
     for algorithm, launcher in launchers.items():
         peer = on_stream(1, lambda launcher=launcher: launcher(contexts[1], calls[1]))
-        own = on_stream(0, lambda launcher=launcher: launcher(contexts[0], calls[0]))
+        own = lambda launcher=launcher: launcher(contexts[0], calls[0])  # noqa: E731
         rows.append(dict(ranks=world, what=f"launch {algorithm}", host_us=host_us(own, after=peer)))
     comm = loopback_communicator(dist.group.WORLD, contexts[0])
     call = calls[0]
@@ -151,11 +165,12 @@ def _loopback_rows(tokens: int, hidden: int, device) -> list[dict]:
                 if planned != algorithm:
                     raise RuntimeError(f"tpfuse: the loopback op would run {planned}, not {algorithm}")
                 peer = on_stream(1, lambda launcher=launcher: launcher(contexts[1], calls[1]))
-                op = on_stream(0, lambda: tpfuse.allreduce_add_rmsnorm(
-                    call.x, call.residual, call.weight, call.eps, out=call.y, residual_out=call.h))
+                op = lambda: tpfuse.allreduce_add_rmsnorm(  # noqa: E731
+                    call.x, call.residual, call.weight, call.eps, out=call.y, residual_out=call.h)
                 rows.append(dict(ranks=world, what=f"op {algorithm}", host_us=host_us(op, after=peer)))
     finally:
         comm.destroy()
+        torch.cuda.set_stream(before)
     errors = [c.workspace.state[layout.STATE_ERROR].item() for c in contexts]
     if any(errors):
         raise RuntimeError(f"tpfuse: a loopback call failed (error entries {errors}): the times are void")
@@ -165,8 +180,6 @@ def _loopback_rows(tokens: int, hidden: int, device) -> list[dict]:
 def _group_rows(tokens: int, hidden: int, device) -> list[dict]:
     """Real ranks (torchrun): the launchers and the op through the group's communicator."""
     import tpfuse
-    from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
-    from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
     from tpfuse.testing import forced_table
     from tpfuse.testing.cases import Case
 
@@ -176,8 +189,7 @@ def _group_rows(tokens: int, hidden: int, device) -> list[dict]:
     inputs = case.inputs(world, device)
     call = case.fused_call(inputs, rank)
     rows = []
-    for algorithm, launcher in ((select.ONESHOT, oneshot_allreduce_add_rmsnorm),
-                                (select.TWOSHOT, twoshot_allreduce_add_rmsnorm)):
+    for algorithm, launcher in _launchers(tokens, world).items():
         rows.append(dict(ranks=world, what=f"launch {algorithm}",
                          host_us=_slowest(host_us(lambda: launcher(comm.fused.launch, call)))))
         oneshot_max = tokens if algorithm == select.ONESHOT else 0

@@ -17,6 +17,7 @@ descriptor flags (``flags``) make every rank's kernel refuse a peer whose call d
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +80,7 @@ class Epilogue:
     def fp8_output(self) -> bool:
         return self.quant_scale is not None or self.scale_group > 0
 
-    @property
+    @functools.cached_property  # asked once a launch; a block end never changes (PLAIN is shared)
     def signature(self) -> tuple:
         """What about this block end decides a compiled kernel: which steps, and their tensors' dtypes."""
         return (_dtype(self.quant_scale), _dtype(self.bias), _dtype(self.sum_weight), self.layer_norm,

@@ -6,13 +6,15 @@ launchers build a plan once per kind of call and keep it in the group's ``Launch
 the first launch of a plan goes through Triton's JIT, which compiles the kernel and checks its
 arguments; later ones call the compiled kernel's own launcher with the addresses as integers, which
 skips the JIT's binding, specialisation and cache look-up (about 25 of a launch's microseconds:
-docs/kernel-notes.md). A kernel is kept per specialisation Triton would give the arguments (16-byte
-aligned pointers, integers of 1 or multiples of 16, 64-bit integers), so a call never runs code
-compiled for other arguments. In the CPU interpreter every launch goes through the JIT.
+docs/kernel-notes.md). The kernel the JIT chose is kept for the exact runtime scalars and pointer
+alignment it was chosen for, so a call never runs code specialised for other arguments. In the CPU
+interpreter every launch goes through the JIT.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +39,7 @@ class LaunchPlan:
     options : dict
         Launch options (``num_warps``, ``launch_pdl``).
     compiled : dict
-        The compiled kernel per argument specialisation (GPU only), filled by the first launches.
+        The compiled kernel the JIT chose for each (misaligned pointer?, runtime scalars) seen (GPU only).
     """
 
     kernel: object
@@ -67,25 +69,22 @@ def kept_plan(plans: dict, key: tuple, make) -> LaunchPlan:
     return plan
 
 
-def _specialisation(args: tuple) -> tuple:
-    """How Triton would specialise these integer launch arguments: each as 1 (a constant then), or as
-    (a multiple of 16, fits 32 bits). Floats are never specialised."""
-    return tuple(a if a == 1 else (a % 16 == 0, -2**31 <= a < 2**31) for a in args if type(a) is int)
-
-
 def launch(plan: LaunchPlan, tensors: tuple, scalars: tuple, device: torch.device) -> None:
     """Launch ``plan.kernel`` over ``tensors`` (pointer arguments, in order) and ``scalars`` (the call's
     runtime scalars, then ``plan.scalars`` follow)."""
-    if device.type != "cuda" or interpreter_enabled():
-        plan.kernel[(plan.grid,)](*tensors, *scalars, *plan.scalars, **plan.constexprs, **plan.options)
-        return
-    addresses = tuple(t.data_ptr() for t in tensors)
     values = (*scalars, *plan.scalars)
-    key = (any(a & 15 for a in addresses), _specialisation(values))
+    if device.type != "cuda" or interpreter_enabled():
+        plan.kernel[(plan.grid,)](*tensors, *values, **plan.constexprs, **plan.options)
+        return
+    addresses = [t.data_ptr() for t in tensors]
+    # The JIT compiles apart for pointers that are not 16-byte aligned and for integer values (1, a
+    # multiple of 16, over 32 bits): the kernel it chose for these exact values and alignment is right
+    # for every later launch with the same. A plan sees the same values call after call (the wait
+    # bound changes only when the user sets it), so this stays a one-entry dict in practice.
+    key = (bool(functools.reduce(operator.or_, addresses) & 15), values)
     compiled = plan.compiled.get(key)
     if compiled is None:
         plan.compiled[key] = plan.kernel[(plan.grid,)](*tensors, *values, **plan.constexprs, **plan.options)
         return
-    stream = torch._C._cuda_getCurrentRawStream(device.index)
-    compiled.run(plan.grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                 *addresses, *values, *plan.constexprs.values())
+    compiled.run(plan.grid, 1, 1, torch._C._cuda_getCurrentRawStream(device.index), compiled.function,
+                 compiled.packed_metadata, None, None, None, *addresses, *values, *plan.constexprs.values())

@@ -226,6 +226,19 @@ def _run_reference(call: FusedCall, group_name: str, comm) -> None:
     _stats.record("reference")
 
 
+_checked_groups: dict = {}  # process group -> its name, once this process's membership was checked
+
+
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    """``resolve_group(group).group_name``, checked once per group (a call's host time counts)."""
+    key = dist.GroupMember.WORLD if group is None else group
+    name = _checked_groups.get(key)
+    if name is None:
+        name = resolve_group(group).group_name
+        _checked_groups[key] = name
+    return name
+
+
 def _dynamic_fp8_outputs(x: torch.Tensor, scale_group: int) -> tuple[torch.Tensor, ...]:
     """(y8, scales, h), empty."""
     n_tokens, hidden = x.shape
@@ -236,7 +249,7 @@ def _dynamic_fp8_outputs(x: torch.Tensor, scale_group: int) -> tuple[torch.Tenso
 
 def _outputs(x: torch.Tensor, steps: Epilogue) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h), empty."""
-    return torch.empty(x.shape, dtype=_output_dtype(x, steps), device=x.device), torch.empty_like(x)
+    return torch.empty_like(x, dtype=_output_dtype(x, steps)), torch.empty_like(x)
 
 
 # The ops, on the cheapest registration that keeps a fake implementation for torch.compile: a Library
@@ -361,9 +374,12 @@ def allreduce_add_rmsnorm(
     (y, h) : tuple of Tensor
         The normalised output and the new residual stream.
     """
-    steps = Epilogue(quant_scale, bias, sum_weight, layer_norm, norm_bias)
+    if quant_scale is None and bias is None and sum_weight is None and not layer_norm and norm_bias is None:
+        steps = block_end.PLAIN  # the common call: no block end to build
+    else:
+        steps = Epilogue(quant_scale, bias, sum_weight, layer_norm, norm_bias)
     check_inputs(x, residual, weight, eps, steps, out, residual_out)
-    group_name = resolve_group(group).group_name
+    group_name = _group_name(group)
     if out is None and residual_out is None:
         if _through_the_op(x):
             return torch.ops.tpfuse.allreduce_add_rmsnorm(x, residual, weight, eps, group_name,
@@ -411,7 +427,7 @@ def allreduce_add_rmsnorm_dynamic_fp8(
     steps = Epilogue(bias=bias, sum_weight=sum_weight, layer_norm=layer_norm, norm_bias=norm_bias,
                      scale_group=scale_group)
     check_inputs(x, residual, weight, eps, steps)
-    group_name = resolve_group(group).group_name
+    group_name = _group_name(group)
     if _through_the_op(x):
         return torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8(x, residual, weight, eps, group_name,
                                                                   **_step_kwargs(steps))
