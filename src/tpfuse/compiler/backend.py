@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpfuse.compiler.fusion_pass import FusionPass, SiteReport, report_graph, summarize
-from tpfuse.compiler.patterns import describe_shape, site_limit, static_int, token_count
+from tpfuse.compiler.fusion_pass import FusionPass, SiteReport, report_graph, site_limit, summarize
+from tpfuse.compiler.sizes import describe_shape, static_int, token_count
 
 log = logging.getLogger("tpfuse.compiler")
 _FUNCOL_ALL_REDUCE = (torch.ops._c10d_functional.all_reduce, torch.ops._c10d_functional.all_reduce.default)

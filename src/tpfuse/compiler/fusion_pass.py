@@ -13,8 +13,10 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tpfuse import _stats
-from tpfuse.comm.communicator import fusion_signature
-from tpfuse.compiler.patterns import ALL_REDUCE, PATTERNS, describe_shape, unmatched_reason
+from tpfuse.comm.communicator import fusion_signature, lookup_communicator
+from tpfuse.compiler.matchers import ALL_REDUCE
+from tpfuse.compiler.patterns import PATTERNS, Match, site_problem, unmatched_reason
+from tpfuse.compiler.sizes import describe_shape
 
 log = logging.getLogger("tpfuse.compiler")
 # Inductor may run a copy of a pass (config patches are copied): copies share a tag and these records.
@@ -56,6 +58,28 @@ def report_graph(sites: list[SiteReport], token_range: str) -> None:
     log.log(level, "tpfuse: %s in a graph (%s)", summarize(sites), token_range)
 
 
+def communicator_limit(group_name: str, hidden: int, dtype: torch.dtype) -> int:
+    """The most tokens a call of ``hidden`` x ``dtype`` on the group's registered communicator can fuse;
+    0 when the group has none (or a destroyed one), or the kernels do not take the size."""
+    if site_problem("sum", hidden, dtype) is not None:
+        return 0
+    comm = lookup_communicator(group_name)
+    return comm.max_token_num(hidden, dtype) if comm is not None and not comm.destroyed else 0
+
+
+def site_limit(group_name: str, reduce_op: str, hidden: int, dtype: torch.dtype) -> tuple[int, str | None]:
+    """(fusion limit, None) of an all-reduce site, or (0, why no token count of it can fuse): what the
+    backend asks of each all-reduce of dynamo's graph, in the pass's words."""
+    reason = site_problem(reduce_op, hidden, dtype)
+    if reason is not None:
+        return 0, reason
+    limit = communicator_limit(group_name, hidden, dtype)
+    if limit <= 0:
+        return 0, (f"group {group_name!r} has no tpfuse communicator that can fuse {hidden} x {dtype} "
+                   "(call tpfuse.get_communicator before compiling)")
+    return limit, None
+
+
 def _describe(node: torch.fx.Node) -> tuple[tuple, torch.dtype, str]:
     val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     shape = describe_shape(val.shape) if val is not None else ()
@@ -74,18 +98,25 @@ class FusionPass(CustomGraphPass):
         ``{str(token expression): largest value}``: the bound of the sites whose token count is that
         expression of the graph's size symbols (``"s0*s1"`` for ``[batch, seq, hidden]``), as the
         backend guarantees by its dispatch.
+    fusion_limit : int, optional
+        The most tokens any site may fuse with. By default each site's group's registered
+        communicator says (:func:`tpfuse.get_communicator`); the pass never creates or destroys one.
+        Given, the pass decides without the registry (a graph fused for communicators made later, or
+        tests of the patterns without ranks).
 
-    Sites with a static token count need no bound. It looks communicators up in the registry and
-    never creates or destroys one.
+    Sites with a static token count need no bound.
     """
 
     _source_hash = hashlib.sha256(b"".join(
-        (pathlib.Path(__file__).parent / name).read_bytes() for name in ("fusion_pass.py", "patterns.py")
+        (pathlib.Path(__file__).parent / name).read_bytes()
+        for name in ("fusion_pass.py", "patterns.py", "matchers.py", "sizes.py")
     )).hexdigest()
 
-    def __init__(self, max_tokens: int | None = None, token_bounds: dict[str, int] | None = None):
+    def __init__(self, max_tokens: int | None = None, token_bounds: dict[str, int] | None = None,
+                 fusion_limit: int | None = None):
         self.max_tokens = max_tokens
         self.token_bounds = dict(token_bounds or {})
+        self.fusion_limit = fusion_limit
         self._tag = uuid.uuid4().hex
 
     @property
@@ -112,6 +143,11 @@ class FusionPass(CustomGraphPass):
     def _token_bound(self, tokens) -> int | None:
         return self.token_bounds.get(str(tokens), self.max_tokens)
 
+    def _fusion_limit(self, match: Match) -> int:
+        if self.fusion_limit is not None:
+            return self.fusion_limit
+        return communicator_limit(match.group_name, match.hidden, match.x.meta["val"].dtype)
+
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.pattern_matcher import stable_topological_sort
 
@@ -125,7 +161,7 @@ class FusionPass(CustomGraphPass):
                 match = pattern.search(node)
                 if match is None:
                     continue
-                reason = pattern.extra_check(match, self._token_bound)
+                reason = pattern.extra_check(match, self._token_bound, self._fusion_limit(match))
                 if reason is None:
                     reports = [SiteReport(*_describe(n), True, pattern.__name__)
                                for n in [node] + match.merged]
@@ -154,5 +190,6 @@ class FusionPass(CustomGraphPass):
         # Inductor's cache key: everything the pass's decisions depend on, stable across runs (the
         # code, the bounds, and each group's communicator: backend, size and algorithm table).
         bounds = sorted(self.token_bounds.items())
-        key = f"{self._source_hash}|{self.max_tokens}|{bounds}|{fusion_signature()}"
+        limits = fusion_signature() if self.fusion_limit is None else f"limit {self.fusion_limit}"
+        key = f"{self._source_hash}|{self.max_tokens}|{bounds}|{limits}"
         return "tpfuse-fusion-" + hashlib.sha256(key.encode()).hexdigest()[:24]

@@ -1,0 +1,329 @@
+"""Graph utilities and sub-matchers over post-grad FX graphs: the pieces the patterns are built of.
+
+Each ``match_*`` function walks forward from a node and returns what it found (the output, the
+tensors it reads, the nodes it computes with) or None: an RMSNorm in any supported style, a
+LayerNorm, static and dynamic fp8, a second all-reduced branch, a bias.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+
+from tpfuse.compiler.sizes import element_count, static_int
+from tpfuse.kernels.epilogue import FP8_MAX, MIN_DYNAMIC_SCALE
+
+
+aten, prims = torch.ops.aten, torch.ops.prims
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+#: Ops that change only how rows are grouped, looked through between the all-reduce, the add and the norm.
+VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default,
+         aten.squeeze.dim, aten.squeeze.default, getattr(aten.squeeze, "dims", aten.squeeze.dim))
+
+
+def is_call(node: object, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def is_add(node: object) -> bool:
+    """``a + b`` of two tensors (no ``alpha``)."""
+    return is_call(node, aten.add.Tensor) and node.kwargs.get("alpha", 1) == 1
+
+
+def meta_val(node: Node):
+    return node.meta.get("val")
+
+
+def only_user(node: Node) -> Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def users_of(node: Node, *targets) -> list[Node]:
+    return [u for u in node.users if is_call(u, *targets)]
+
+
+def converts_to(node: Node, dtype: torch.dtype) -> list[Node]:
+    """The users of ``node`` that convert it to ``dtype``."""
+    return [u for u in users_of(node, prims.convert_element_type.default) if u.args[1] == dtype]
+
+
+def convert_to(node: Node, dtype: torch.dtype) -> Node | None:
+    """The first user of ``node`` that converts it to ``dtype``, if any."""
+    casts = converts_to(node, dtype)
+    return casts[0] if casts else None
+
+
+def other_arg(node: Node, known: Node) -> object:
+    a, b = node.args[:2]
+    return b if a is known else a
+
+
+def row_views(node: Node, hidden: int) -> list[Node]:
+    """``node`` and the chain of views that follows it while each is the only user and rows stay rows."""
+    chain = [node]
+    while True:
+        view = only_user(chain[-1])
+        if not (is_call(view, *VIEWS) and view.args[0] is chain[-1] and meta_val(view) is not None):
+            return chain
+        shape = meta_val(view).shape
+        if len(shape) < 1 or static_int(shape[-1]) != hidden or element_count(shape) != element_count(meta_val(node).shape):
+            return chain
+        chain.append(view)
+
+
+def is_scalar(node: object) -> bool:
+    """A number, or a tensor node of one element."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return True
+    return isinstance(node, Node) and isinstance(meta_val(node), torch.Tensor) and meta_val(node).numel() == 1
+
+
+def is_row_vector(node: object, hidden: int) -> bool:
+    """A tensor node that is one row of ``hidden`` for every token: a bias or a gain."""
+    val = meta_val(node) if isinstance(node, Node) else None
+    return (isinstance(val, torch.Tensor) and val.dim() >= 1 and static_int(val.shape[-1]) == hidden
+            and val.numel() == hidden)
+
+
+def match_rmsnorm(h: Node) -> tuple[Node, Node, float, list[Node]] | None:
+    """(out, weight, eps, internal nodes) of an RMSNorm of ``h`` in any supported style, or None."""
+    dtype = meta_val(h).dtype
+    # gpt-fast writes x.float() twice; the post-grad graph may keep both casts.
+    casts = converts_to(h, torch.float32)
+    for c in casts:
+        for p in c.users:
+            squares = (is_call(p, aten.pow.Tensor_Scalar) and p.args[1] == 2
+                       or is_call(p, aten.mul.Tensor) and p.args[:2] == (c, c))
+            if not squares:
+                continue
+            mean = only_user(p)
+            if not is_call(mean, aten.mean.dim) or len(mean.args) < 3 or not mean.args[2]:
+                continue
+            if not _last_dim(mean.args[1], c):
+                continue
+            add_eps, rsqrt = _plus_eps_rsqrt(mean)
+            if rsqrt is None:
+                continue
+            normed = only_user(rsqrt)
+            if not is_call(normed, aten.mul.Tensor):
+                continue
+            other = other_arg(normed, rsqrt)
+            if other not in casts:
+                continue
+            internal = list(dict.fromkeys([c, other, p, mean, add_eps, rsqrt, normed]))
+            back = convert_to(normed, dtype)
+            if back is not None and len(normed.users) == 1:  # HF / gpt-fast: cast back, then the weight
+                out = only_user(back)
+                if is_call(out, aten.mul.Tensor):
+                    return out, other_arg(out, back), float(add_eps.args[1]), internal + [back]
+            scaled = only_user(normed)  # torch rms_norm, Gemma: the weight in fp32, then cast back
+            if is_call(scaled, aten.mul.Tensor):
+                out = convert_to(scaled, dtype)
+                if out is not None and len(scaled.users) == 1:
+                    return out, other_arg(scaled, normed), float(add_eps.args[1]), internal + [scaled]
+    return None
+
+
+def _plus_eps_rsqrt(node: Node) -> tuple[Node | None, Node | None]:
+    """(the add, the rsqrt) when ``node``'s only use is ``rsqrt(node + eps)`` with a constant eps."""
+    add_eps = only_user(node)
+    if is_call(add_eps, aten.add.Tensor, aten.add.Scalar) and isinstance(add_eps.args[1], (int, float)):
+        rsqrt = only_user(add_eps)
+        if is_call(rsqrt, aten.rsqrt.default):
+            return add_eps, rsqrt
+    return None, None
+
+
+def _last_dim(dims, node: Node) -> bool:
+    return list(dims) in ([-1], [meta_val(node).dim() - 1])
+
+
+def match_layernorm(h: Node) -> tuple[Node, Node, float, object, list[Node]] | None:
+    """(out, weight, eps, bias or None, internal nodes) of a LayerNorm of ``h``, or None. Two styles:
+    Inductor's decomposition of ``nn.LayerNorm`` / ``F.layer_norm`` (``var_mean`` in fp32), and the
+    hand-written one of Cohere (``mean``, ``(c - mean) ** 2``, ``mean``); then the weight, an optional
+    bias, and the cast back."""
+    for c in converts_to(h, torch.float32):
+        for stats in _layernorm_statistics(c):
+            add_eps, rsqrt = _plus_eps_rsqrt(stats.var)
+            normed = only_user(rsqrt) if rsqrt is not None else None
+            if not (is_call(normed, aten.mul.Tensor) and other_arg(normed, rsqrt) in stats.centred):
+                continue
+            scaled = only_user(normed)
+            if not is_call(scaled, aten.mul.Tensor):
+                continue
+            internal = [c] + stats.nodes + [add_eps, rsqrt, normed, scaled]
+            bias, last = None, scaled
+            after = only_user(scaled)
+            if is_add(after):
+                bias, last = other_arg(after, scaled), after
+                internal.append(after)
+            out = convert_to(last, meta_val(h).dtype) if len(last.users) == 1 else None
+            if out is not None:
+                return out, other_arg(scaled, normed), float(add_eps.args[1]), bias, internal
+    return None
+
+
+@dataclass
+class _Statistics:
+    var: Node  # the variance, which ``rsqrt(var + eps)`` reads
+    centred: list[Node]  # c - mean (Cohere writes it twice; the graph may keep both)
+    nodes: list[Node]  # every node that computes them
+
+
+def _layernorm_statistics(c: Node) -> list[_Statistics]:
+    """The ways a LayerNorm computes the mean and variance of the fp32 row ``c``."""
+    found = []
+    for vm in users_of(c, aten.var_mean.correction):
+        if not (vm.kwargs.get("correction") == 0 and vm.kwargs.get("keepdim") and len(vm.args) > 1
+                and _last_dim(vm.args[1], c)):
+            continue
+        parts = {u.args[1]: u for u in vm.users if is_call(u, operator.getitem)}
+        var, mean = parts.get(0), parts.get(1)
+        subs = [u for u in users_of(c, aten.sub.Tensor) if u.args[:2] == (c, mean)]
+        if var is not None and mean is not None and len(subs) == 1 and len(mean.users) == 1:
+            found.append(_Statistics(var, subs, [vm, var, mean, subs[0]]))
+    for mean in users_of(c, aten.mean.dim):
+        if not (len(mean.args) > 2 and mean.args[2] and _last_dim(mean.args[1], c)):
+            continue
+        subs = [u for u in users_of(c, aten.sub.Tensor) if u.args[:2] == (c, mean)]
+        if not subs or len(mean.users) != len(subs):
+            continue
+        for sub in subs:
+            for square in sub.users:
+                if not (is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2
+                        or is_call(square, aten.mul.Tensor) and square.args[:2] == (sub, sub)):
+                    continue
+                var = only_user(square)
+                if (is_call(var, aten.mean.dim) and len(var.args) > 2 and var.args[2]
+                        and _last_dim(var.args[1], square)):
+                    found.append(_Statistics(var, subs, [mean] + subs + [square, var]))
+    return found
+
+
+def match_static_fp8(y: Node, div: Node | None = None) -> tuple[Node, Node, list[Node]] | None:
+    """(out, scale, internal nodes) of ``clamp(y.float() / scale, -448, 448).to(fp8)``, or None.
+    ``div``: the division to start from, when ``y`` has other users (dynamic fp8)."""
+    start = convert_to(y, torch.float32) if div is None else None
+    start = start if start is not None and len(y.users) == 1 else y
+    div = div if div is not None else only_user(start)
+    if not is_call(div, aten.div.Tensor) or div.args[0] is not start or not isinstance(div.args[1], Node):
+        return None
+    nodes, cur = [div], only_user(div)
+    if is_call(cur, aten.clamp.default) and tuple(cur.args[1:3]) == (-FP8_MAX, FP8_MAX):
+        nodes.append(cur)
+    else:
+        lo, hi = cur, only_user(cur) if isinstance(cur, Node) else None
+        if not (is_call(lo, aten.clamp_min.default) and lo.args[1] == -FP8_MAX
+                and is_call(hi, aten.clamp_max.default) and hi.args[1] == FP8_MAX):
+            return None
+        nodes += [lo, hi]
+        cur = hi
+    out = convert_to(cur, torch.float8_e4m3fn) if len(cur.users) == 1 else None
+    if out is None:
+        return None
+    return out, div.args[1], ([start] if start is not y else []) + nodes
+
+
+def bias_of(node: Node, hidden: int) -> tuple[Node | None, object]:
+    """(the add, the bias) when ``node``'s only user adds a [hidden] row to it, else (None, None)."""
+    add = only_user(node)
+    if is_add(add) and is_row_vector(other_arg(add, node), hidden):
+        return add, other_arg(add, node)
+    return None, None
+
+
+def match_branch(node: object, group_name: str, reduce_op: str, hidden: int, with_bias: bool):
+    """(all-reduce, nodes, bias, copies) when ``node`` is another all-reduce of the same group (+ its bias,
+    views between), the second term of a sum of two; else None. ``copies`` > 1: the all-reduced tensor
+    holds that many copies of the rows, summed after it (Llama 4's experts: ``[E * T, H]`` viewed as
+    ``[E, T, H]``, then ``.sum(0)``), which the fusion sums before the all-reduce instead."""
+    nodes, bias, copies = [], None, 1
+    if with_bias:
+        if not is_add(node):
+            return None
+        a, b = node.args[:2]
+        bias = b if is_row_vector(b, hidden) else a if is_row_vector(a, hidden) else None
+        if bias is None:
+            return None
+        nodes.append(node)
+        node = a if bias is b else b
+    if (is_call(node, aten.sum.dim_IntList) and list(node.args[1]) == [0] and node.args[2:] in ((), (False,))
+            and not node.kwargs and len(node.users) == 1 and isinstance(meta_val(node.args[0]), torch.Tensor)
+            and meta_val(node.args[0]).dim() == 3):
+        copies = static_int(meta_val(node.args[0]).shape[0])
+        if copies is None:
+            return None
+        nodes.append(node)
+        node = node.args[0]
+    while is_call(node, *VIEWS) and len(node.users) == 1:
+        nodes.append(node)
+        node = node.args[0]
+    if not (is_call(node, WAIT) and len(node.users) == 1 and static_int(meta_val(node).shape[-1]) == hidden):
+        return None
+    reduce = node.args[0]
+    if not (is_call(reduce, ALL_REDUCE) and tuple(reduce.args[1:3]) == (reduce_op, group_name)):
+        return None
+    return reduce, nodes + [node], bias, copies
+
+
+def match_dynamic_fp8(y: Node, hidden: int) -> tuple[Node, Node, int, list[Node]] | None:
+    """(out, scales, elements per scale, internal nodes) of dynamic fp8 in ``kernels.reference.dynamic_fp8``'s
+    form: ``g = y.float()`` (viewed as groups or not), ``s = clamp(amax(|g|, -1) / 448, min)``,
+    ``out = clamp(g / s, -448, 448).to(fp8)`` (viewed back), ``scales = s.squeeze(-1)``; or None."""
+    start = convert_to(y, torch.float32) if len(y.users) == 1 else None
+    if start is None:
+        return None
+    nodes, grouped, group = [start], start, hidden
+    view = only_user(start)
+    if is_call(view, *VIEWS) and len(meta_val(view).shape) == len(meta_val(start).shape) + 1:
+        group = static_int(meta_val(view).shape[-1])
+        nodes.append(view)
+        grouped = view
+    absolute = users_of(grouped, aten.abs.default)
+    amax = only_user(absolute[0]) if len(absolute) == 1 else None
+    if not (is_call(amax, aten.amax.default) and len(amax.args) > 2 and amax.args[2]
+            and _last_dim(amax.args[1], grouped)):
+        return None
+    to_unit = only_user(amax)
+    if not (is_call(to_unit, aten.div.Tensor) and to_unit.args[1] == FP8_MAX):
+        return None
+    floor = only_user(to_unit)
+    if not (is_call(floor, aten.clamp_min.default, aten.clamp.default) and floor.args[1] == MIN_DYNAMIC_SCALE):
+        return None
+    nodes += [absolute[0], amax, to_unit, floor]
+    divs = [u for u in users_of(floor, aten.div.Tensor) if u.args[:2] == (grouped, floor)]
+    outs = [u for u in floor.users if u not in divs]
+    if len(divs) != 1 or len(outs) != 1 or not is_call(outs[0], *VIEWS):
+        return None
+    quant = match_static_fp8(grouped, divs[0])
+    if quant is None:
+        return None
+    out, _, quant_nodes = quant
+    nodes += quant_nodes
+    back = only_user(out)
+    if grouped is not start:  # the groups viewed back as rows
+        if not (is_call(back, *VIEWS) and static_int(meta_val(back).shape[-1]) == hidden):
+            return None
+        nodes.append(out)
+        out = back
+    return out, outs[0], group, nodes
+
+
+def residual_problem(residual: object, add: Node, x: torch.Tensor, hidden: int) -> str | None:
+    """Why the other operand of the add is not a residual the op can take (None when it is)."""
+    if not isinstance(residual, Node) or not isinstance(meta_val(residual), torch.Tensor):
+        return "the value added to the all-reduce result is not a tensor"
+    r = meta_val(residual)
+    if r.dtype != x.dtype:
+        return f"the residual's dtype {r.dtype} differs from the all-reduce's {x.dtype}"
+    if r.dim() < 1 or static_int(r.shape[-1]) != hidden or element_count(r.shape) != element_count(meta_val(add).shape):
+        return (f"the add broadcasts a {tuple(r.shape)} tensor (a bias?) over the {tuple(meta_val(add).shape)} "
+                "sum: not a residual of the same size")
+    return None
+
