@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
-from tpfuse.bench.host import _process_group
+from tpfuse.bench.host import _process_group, host_us
 from tpfuse.testing.cases import Case
 
 
@@ -37,10 +37,33 @@ def main():
         case = Case(1, 4096)
         inputs = case.inputs(1, device)
         x, r, w = inputs["xs"][0], inputs["residual"], inputs["weight"]
-        profile("op at world size 1", lambda: tpfuse.allreduce_add_rmsnorm(x, r, w, 1e-6))
-        from tpfuse.kernels.local import local_add_rmsnorm
+        from tpfuse.kernels.launch import kept_plan
+        from tpfuse.kernels.local import _local_plan, _plans, local_add_rmsnorm
+        from tpfuse.ops.allreduce_add_rmsnorm import check_inputs
+
         call = case.fused_call(inputs, 0)
-        profile("local kernel launcher alone", lambda: local_add_rmsnorm(call))
+        op = lambda: tpfuse.allreduce_add_rmsnorm(x, r, w, 1e-6)  # noqa: E731
+        local_add_rmsnorm(call)
+        plan = kept_plan(_plans, (call.x.device, call.n_tokens, call.kernel_key()), lambda: _local_plan(call))
+        compiled = next(iter(plan.compiled.values()))
+        addresses = [t.data_ptr() for t in call.kernel_tensors()]
+        stream = torch.cuda.current_stream().cuda_stream
+        values = (call.hidden, call.eps, *plan.constexprs.values())
+        parts = {
+            "op, world size 1": op,
+            "local_add_rmsnorm (plan kept, compiled launcher)": lambda: local_add_rmsnorm(call),
+            "CompiledKernel.run alone, arguments ready": lambda: compiled.run(
+                plan.grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                *addresses, *values),
+            "the JIT's launch (kernel[grid](...))": lambda: plan.kernel[(plan.grid,)](
+                *call.kernel_tensors(), call.hidden, call.eps, **plan.constexprs, **plan.options),
+            "check_inputs": lambda: check_inputs(x, r, w, 1e-6),
+            "two torch.empty_like": lambda: (torch.empty_like(x), torch.empty_like(x)),
+            "torch add + rms_norm": lambda: torch.nn.functional.rms_norm(x + r, (x.shape[-1],), w, 1e-6),
+        }
+        for name, fn in parts.items():
+            print(f"{host_us(fn):8.2f} us  {name}")
+        profile("op at world size 1", op)
 
 
 if __name__ == "__main__":

@@ -244,15 +244,15 @@ class Communicator:
             return CallPlan(select.REFERENCE, chunk_rows=limit)
         return CallPlan(algorithm)
 
-    def run_fused(self, call: FusedCall) -> str:
-        """Run a call that :meth:`plan` gave to a fused kernel; return its stats label
+    def run_fused(self, call: FusedCall, plan: CallPlan) -> str:
+        """Run a call with the fused kernel ``plan`` (:meth:`plan`'s for it) names; return its stats label
         (``"<backend>.<algorithm>"``).
 
         One thread at a time: a call made while another thread's call of this communicator is running
         raises. Serialising them would not do: each rank would pair its calls with the peers' in
         whatever order its threads happened to run, and mismatched calls give garbage or time out.
         """
-        algorithm = self.plan(call).algorithm
+        algorithm = plan.algorithm
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
                 f"tpfuse: group {self.group_name!r} rank {self.rank}: a fused call came from a second thread "

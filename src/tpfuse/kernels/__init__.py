@@ -18,8 +18,12 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+# Read once, at import, as Triton reads it: a process runs its kernels compiled or interpreted throughout.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRETED
 
 
 def kernels_usable(device: torch.device) -> bool:

@@ -19,6 +19,7 @@ dispatch modes.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -167,13 +168,14 @@ def _run(call: FusedCall, group_name: str) -> None:
             # Checks that wait for the host: always on the CPU, on a GPU only in debug mode, never in capture.
             checking = x.device.type == "cpu" or (_debug() and not torch.cuda.is_current_stream_capturing())
             if not plan.chunk_rows:
-                _run_fused(comm, call, checking)
+                _run_fused(comm, call, plan, checking)
                 return
             # Calls over the workspace run as fused calls of `chunk_rows` rows each (rows are independent),
             # so the ranks' calls stay compared and every wait bounded (docs/reliability.md).
             try:
                 for start in range(0, call.n_tokens, plan.chunk_rows):
-                    _run_fused(comm, call.rows(start, min(start + plan.chunk_rows, call.n_tokens)), checking)
+                    part = call.rows(start, min(start + plan.chunk_rows, call.n_tokens))
+                    _run_fused(comm, part, comm.plan(part), checking)
             except RuntimeError:
                 for out in call.outputs():  # a failed call returns none of its rows, not even those of
                     out.fill_(float("nan"))  # chunks that went through
@@ -182,16 +184,25 @@ def _run(call: FusedCall, group_name: str) -> None:
     _run_reference(call, group_name, comm)
 
 
-def _run_fused(comm, call: FusedCall, checking: bool) -> None:
-    """One fused call of ``comm``'s backend; on the CPU (or in debug mode) checked for errors after it."""
+def _run_fused(comm, call: FusedCall, plan, checking: bool) -> None:
+    """One fused call of ``comm``'s backend as ``plan`` says; on the CPU (or in debug mode) checked for
+    errors after it."""
     if checking and not comm.fused.compares_calls:
-        comm.check_call_matches(call.n_tokens, call.hidden, call.x.dtype, comm.plan(call).algorithm)
+        comm.check_call_matches(call.n_tokens, call.hidden, call.x.dtype, plan.algorithm)
     if not checking:
-        _stats.record(comm.run_fused(call))
+        _stats.record(comm.run_fused(call, plan))
         return
     started = time.monotonic()
-    _stats.record(comm.run_fused(call))
+    _stats.record(comm.run_fused(call, plan))
     comm.check_errors(waited_s=time.monotonic() - started)
+
+
+@functools.cache
+def _local_kernel():
+    """``kernels.local.local_add_rmsnorm``, imported on first use (Triton loads with it)."""
+    from tpfuse.kernels.local import local_add_rmsnorm
+
+    return local_add_rmsnorm
 
 
 def _run_reference(call: FusedCall, group_name: str, comm) -> None:
@@ -200,9 +211,7 @@ def _run_reference(call: FusedCall, group_name: str, comm) -> None:
     x, steps = call.x, call.epilogue
     world_size = comm.world_size if comm is not None else _world_size(group_name)
     if world_size == 1 and x.dtype != torch.float32 and kernels_usable(x.device):
-        from tpfuse.kernels.local import local_add_rmsnorm
-
-        local_add_rmsnorm(call)
+        _local_kernel()(call)
         _stats.record("triton.local")
         return
     group = _group_by_name(group_name)
