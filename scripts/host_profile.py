@@ -45,20 +45,27 @@ def main():
         op = lambda: tpfuse.allreduce_add_rmsnorm(x, r, w, 1e-6)  # noqa: E731
         local_add_rmsnorm(call)
         plan = kept_plan(_plans, (call.x.device, call.n_tokens, call.kernel_key()), lambda: _local_plan(call))
-        compiled = next(iter(plan.compiled.values()))
-        addresses = [t.data_ptr() for t in call.kernel_tensors()]
+        launcher = next(iter(plan.compiled.values()))
+        tensors = call.kernel_tensors()
+        addresses = [t.data_ptr() for t in tensors]
         stream = torch.cuda.current_stream().cuda_stream
-        values = (call.hidden, call.eps, *plan.constexprs.values())
+        values = (call.hidden, call.eps)
+        from tpfuse.comm.communicator import lookup_communicator
+        from tpfuse.kernels.call import FusedCall
+        from tpfuse.ops.allreduce_add_rmsnorm import _group_name, _through_the_op
+
         parts = {
             "op, world size 1": op,
             "local_add_rmsnorm (plan kept, compiled launcher)": lambda: local_add_rmsnorm(call),
-            "CompiledKernel.run alone, arguments ready": lambda: compiled.run(
-                plan.grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                *addresses, *values),
+            "the compiled launcher alone, arguments ready": lambda: launcher(plan.grid, stream, addresses, values),
             "the JIT's launch (kernel[grid](...))": lambda: plan.kernel[(plan.grid,)](
-                *call.kernel_tensors(), call.hidden, call.eps, **plan.constexprs, **plan.options),
+                *tensors, call.hidden, call.eps, **plan.constexprs, **plan.options),
             "check_inputs": lambda: check_inputs(x, r, w, 1e-6),
             "two torch.empty_like": lambda: (torch.empty_like(x), torch.empty_like(x)),
+            "_group_name + _through_the_op + lookup_communicator": lambda: (
+                _through_the_op(x), lookup_communicator(_group_name(None))),
+            "FusedCall + kernel_key + kernel_tensors": lambda: (
+                lambda c: (c.kernel_key(), c.kernel_tensors()))(FusedCall(x, r, w, 1e-6, call.y, call.h)),
             "torch add + rms_norm": lambda: torch.nn.functional.rms_norm(x + r, (x.shape[-1],), w, 1e-6),
         }
         for name, fn in parts.items():

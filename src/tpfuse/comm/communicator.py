@@ -427,8 +427,7 @@ def get_communicator(
 
 def lookup_communicator(group_name: str) -> Communicator | None:
     """The registered communicator of a group, or None; never creates one (used by the op and pass)."""
-    with _registry_lock:
-        return _registry.get(group_name)
+    return _registry.get(group_name)  # one dict read is atomic; every write holds _registry_lock
 
 
 def fusion_signature() -> str:

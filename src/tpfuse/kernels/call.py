@@ -75,5 +75,6 @@ class FusedCall:
     def kernel_key(self) -> tuple:
         """What about this call, besides its row count, decides a compiled kernel: dtypes, hidden size,
         the residual and the block end's steps."""
-        return (self.hidden, self.x.dtype, self.y.dtype, self.weight.dtype, self.residual is not None,
+        x = self.x
+        return (x.shape[1], x.dtype, self.y.dtype, self.weight.dtype, self.residual is not None,
                 self.epilogue.signature)

@@ -53,5 +53,6 @@ def local_add_rmsnorm(call: FusedCall) -> None:
     """Write ``call``'s outputs from ``x`` alone (the sum over one rank): one program a row."""
     if call.n_tokens == 0:
         return
-    plan = kept_plan(_plans, (call.x.device, call.n_tokens, call.kernel_key()), lambda: _local_plan(call))
-    launch(plan, call.kernel_tensors(), (call.hidden, call.eps), call.x.device)
+    device = call.x.device
+    plan = kept_plan(_plans, (device, call.n_tokens, call.kernel_key()), lambda: _local_plan(call))
+    launch(plan, call.kernel_tensors(), (call.hidden, call.eps), device)
