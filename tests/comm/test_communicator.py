@@ -13,6 +13,7 @@ import tpfuse
 from tpfuse.comm import workspace as ws
 from tpfuse.comm.communicator import lookup_communicator
 from tpfuse.testing import rank_backends
+from tpfuse.testing.cases import Case, check_results
 
 BACKENDS = rank_backends()
 
@@ -144,3 +145,54 @@ def test_backend_choice_and_errors(rank_pool):
     for report in rank_pool(2).run(_backend_choice):
         failed = {name: ok for name, ok in report.items() if ok is not True}
         assert not failed, failed
+
+
+def _kept_for_graphs(rank, world_size):
+    """A communicator whose fused calls were captured keeps each workspace it lets go of (a growth, a
+    destroy) until exit; one never captured frees them."""
+    import gc
+    import weakref
+
+    from tpfuse.comm import communicator
+
+    report = {}
+    case = Case(3, 64)
+    inputs = case.inputs(world_size)
+    plain, captured = (tpfuse.get_communicator(dist.new_group(list(range(world_size))), max_tokens=4, hidden=64)
+                       for _ in range(2))
+
+    def call(comm, capturing: bool):
+        real = communicator._capturing
+        communicator._capturing = lambda device: capturing  # a CPU stand-in for a CUDA-graph capture
+        try:
+            return case.call(inputs, rank, group=comm.group)
+        finally:
+            communicator._capturing = real
+
+    call(plain, False)
+    call(captured, True)
+    olds = [weakref.ref(c.fused.workspace) for c in (plain, captured)]
+    for comm in (plain, captured):
+        tpfuse.get_communicator(comm.group, max_tokens=16, hidden=64)  # grows: a new workspace
+    gc.collect()
+    report["never captured: old workspace freed"] = olds[0]() is None
+    report["captured: old workspace kept"] = olds[1]() is not None and olds[1]().buffer is not None
+    report["captured: kept until exit"] = any(b.workspace is olds[1]() for b in communicator._kept_for_graphs)
+    got = call(captured, False)  # the grown workspace serves calls as before
+    current = weakref.ref(captured.fused.workspace)
+    captured.destroy()
+    plain.destroy()
+    gc.collect()
+    report["captured: destroyed workspace kept"] = current() is not None
+    communicator._release_kept_for_graphs()
+    gc.collect()
+    report["released at exit"] = olds[1]() is None and current() is None
+    return report, [t.cpu() for t in got]
+
+
+def test_workspaces_captured_graphs_may_use_are_kept(rank_pool):
+    results = rank_pool(2, "gloo").run(_kept_for_graphs)
+    for report, _ in results:
+        failed = [name for name, ok in report.items() if not ok]
+        assert not failed, failed
+    check_results(Case(3, 64), 2, [got for _, got in results])

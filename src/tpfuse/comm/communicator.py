@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import math
 import numbers
 import os
@@ -19,6 +20,8 @@ from tpfuse.kernels import kernels_usable
 from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.epilogue import PLAIN, Epilogue
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_TOKENS = 512
 DEFAULT_HIDDEN = 8192
 #: How long a kernel waits for a peer before it flags an error and returns (see docs/reliability.md).
@@ -30,6 +33,13 @@ BACKENDS = ("triton", "flashinfer", "reference")
 COMPRESSIONS = (None, "fp8")
 
 _registry: dict[str, Communicator] = {}
+#: Fused backends whose workspace a captured CUDA graph may still use: kept, never freed, until exit.
+_kept_for_graphs: list[FusedBackend] = []
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being captured into a CUDA graph now."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,9 @@ class Communicator:
         self._destroyed = False
         self._busy = threading.Lock()  # held while a fused call runs: one thread at a time (see run_fused)
         self._error: str | None = None  # set once a fused call failed: the communicator is unusable
+        # Set once a fused call was captured into a CUDA graph: the graph holds the workspace's
+        # addresses, so a growth or destroy keeps that workspace alive (see _release).
+        self._captured = False
         self._plans: dict[tuple, CallPlan] = {}  # kept decisions (plan): cleared when the workspace changes
         self._plans_generation = select.tables_generation
         self._labels: dict[str, str] = {}  # stats label per algorithm
@@ -143,6 +156,7 @@ class Communicator:
             "hidden": hidden,
             "kernels usable": int(kernels_usable(self.device)),
             "algorithm table": int(self._table_digest(), 16),
+            "fused calls captured in CUDA graphs": int(self._captured),
         }, self.wait_timeout_s, f"the {what} of the communicator of group {self.group_name!r}")
 
     def _table_digest(self) -> str:
@@ -253,6 +267,8 @@ class Communicator:
         whatever order its threads happened to run, and mismatched calls give garbage or time out.
         """
         algorithm = plan.algorithm
+        if not self._captured and _capturing(self.device):
+            self._captured = True
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
                 f"tpfuse: group {self.group_name!r} rank {self.rank}: a fused call came from a second thread "
@@ -319,9 +335,23 @@ class Communicator:
         self._allocate(max_tokens, hidden)
 
     def _release(self) -> None:
+        """Let go of the workspace: freed, or kept until exit where a captured CUDA graph may use it.
+
+        A graph captured with fused calls replays them into the buffers, peer table and state it was
+        captured with. Freed, that memory could go to other tensors, which a replay would then
+        overwrite; kept, a replay still finds its own workspace (and its peers', kept the same way:
+        every rank captures the same calls, which the growth's agreement checks) and computes right.
+        """
         self._plans.clear()
         if self.fused is not None:
-            self.fused.release()
+            if self._captured:
+                with _registry_lock:
+                    _kept_for_graphs.append(self.fused)
+                log.info("tpfuse: group %s rank %d: its workspace is kept until exit (%d bytes a region): "
+                         "CUDA graphs captured with its fused calls may replay into it", self.group_name,
+                         self.rank, self.fused.region_bytes)
+            else:
+                self.fused.release()
         self.fused = None
 
     def destroy(self) -> None:
@@ -453,4 +483,14 @@ def destroy_all() -> None:
         comm.destroy()
 
 
+def _release_kept_for_graphs() -> None:
+    """At exit: no graph replays any more; free the workspaces kept for them."""
+    with _registry_lock:
+        kept = list(_kept_for_graphs)
+        _kept_for_graphs.clear()
+    for backend in kept:
+        backend.release()
+
+
+atexit.register(_release_kept_for_graphs)  # atexit runs last-registered first: after destroy_all
 atexit.register(destroy_all)
