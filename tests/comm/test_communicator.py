@@ -196,3 +196,46 @@ def test_workspaces_captured_graphs_may_use_are_kept(rank_pool):
         failed = [name for name, ok in report.items() if not ok]
         assert not failed, failed
     check_results(Case(3, 64), 2, [got for _, got in results])
+
+
+def _graph_outlives_workspace(rank, world_size):
+    """On GPUs: a graph captured with a fused call, replayed after a growth and after a destroy, computes
+    right and leaves a tensor allocated after those (a canary) as it was."""
+    from tpfuse.testing import rank_device
+
+    device = rank_device("nccl", rank)
+    case = Case(3, 256)
+    inputs = case.inputs(world_size, device)
+    comm = tpfuse.get_communicator(max_tokens=4, hidden=256)
+    out = [torch.empty(3, 256, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        case.call(inputs, rank, out=out[0], residual_out=out[1])  # warm-up: compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        case.call(inputs, rank, out=out[0], residual_out=out[1])
+    results = []
+    for step in ("grown", "destroyed"):
+        if step == "grown":
+            tpfuse.get_communicator(max_tokens=4096, hidden=8192)
+        else:
+            comm.destroy()
+        canary = torch.full((1 << 22,), 7, dtype=torch.int16, device=device)  # where freed buffers would go
+        for t in out:
+            t.fill_(float("nan"))
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph.replay()
+        torch.cuda.synchronize()
+        results.append(((out[0].cpu(), out[1].cpu()), bool((canary == 7).all().item())))
+    return results
+
+
+@pytest.mark.skipif("nccl" not in BACKENDS, reason="needs 2 GPUs")
+def test_a_graph_replayed_after_growth_and_destroy_is_right_and_harmless(rank_pool):
+    per_rank = rank_pool(2, "nccl").run(_graph_outlives_workspace)
+    for step in range(2):
+        assert all(results[step][1] for results in per_rank), f"step {step}: a canary tensor changed"
+        check_results(Case(3, 256), 2, [results[step][0] for results in per_rank])
