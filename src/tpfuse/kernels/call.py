@@ -7,16 +7,18 @@ torch reference computes it. Nothing in between passes the call's tensors one by
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
 from tpfuse.kernels.epilogue import PLAIN, Epilogue
 
 
-@dataclass(frozen=True, eq=False)
-class FusedCall:
+class FusedCall(NamedTuple):
     """``y, h = block_end(sum over ranks of x, residual)`` for one rank: inputs, outputs and steps.
+
+    A frozen value (a named tuple: one is made per eager call, and a dataclass costs more host time
+    to make).
 
     Attributes
     ----------
@@ -59,18 +61,22 @@ class FusedCall:
     def rows(self, start: int, stop: int) -> FusedCall:
         """The same call restricted to rows ``start:stop`` (rows are independent)."""
         part = slice(start, stop)
-        return replace(self, x=self.x[part], residual=None if self.residual is None else self.residual[part],
+        return self._replace(x=self.x[part], residual=None if self.residual is None else self.residual[part],
                        y=self.y[part], h=self.h[part], scales=None if self.scales is None else self.scales[part])
 
     def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
         """The call's tensors as every kernel of ours takes them, in order: x, residual, weight, y, h,
         quant_scale, bias, sum_weight, norm_bias, scales. An absent one is passed as ``weight``, a stand-in
         the kernel never reads; an fp8 ``y`` as bytes (the kernels store fp8 codes)."""
-        x, weight, steps = self.x, self.weight, self.epilogue
-        return (x, self.residual if self.residual is not None else x, weight,
-                self.y.view(torch.uint8) if steps.fp8_output else self.y, self.h,
-                *(t if t is not None else weight for t in (steps.quant_scale, steps.bias, steps.sum_weight,
-                                                           steps.norm_bias, self.scales)))
+        x, residual, weight, _, y, h, steps, scales = self
+        if steps is PLAIN:  # the common call: every step's place taken by the stand-in
+            return (x, residual if residual is not None else x, weight, y, h, weight, weight, weight, weight,
+                    weight)
+        q, b, sw, nb = steps.quant_scale, steps.bias, steps.sum_weight, steps.norm_bias
+        return (x, residual if residual is not None else x, weight, y.view(torch.uint8) if steps.fp8_output else y,
+                h, q if q is not None else weight, b if b is not None else weight,
+                sw if sw is not None else weight, nb if nb is not None else weight,
+                scales if scales is not None else weight)
 
     def kernel_key(self) -> tuple:
         """What about this call, besides its row count, decides a compiled kernel: dtypes, hidden size,

@@ -49,6 +49,8 @@ class LaunchPlan:
     constexprs: dict
     options: dict
     compiled: dict = field(default_factory=dict)
+    #: Where its launches go, set by the first: (launch through the compiled kernel?, the GPU's index).
+    target: tuple | None = None
 
     def __post_init__(self):
         # The compiled launcher takes every parameter by position, the switches included.
@@ -74,7 +76,10 @@ def launch(plan: LaunchPlan, tensors: tuple, scalars: tuple, device: torch.devic
     """Launch ``plan.kernel`` over ``tensors`` (pointer arguments, in order) and ``scalars`` (the call's
     runtime scalars, then ``plan.scalars`` follow)."""
     values = (*scalars, *plan.scalars)
-    if device.type != "cuda" or interpreter_enabled():
+    if plan.target is None:  # a plan serves one device (its context's, or its key's)
+        plan.target = (device.type == "cuda" and not interpreter_enabled(), device.index)
+    direct, index = plan.target
+    if not direct:
         plan.kernel[(plan.grid,)](*tensors, *values, **plan.constexprs, **plan.options)
         return
     addresses = [t.data_ptr() for t in tensors]
@@ -88,7 +93,7 @@ def launch(plan: LaunchPlan, tensors: tuple, scalars: tuple, device: torch.devic
         compiled = plan.kernel[(plan.grid,)](*tensors, *values, **plan.constexprs, **plan.options)
         plan.compiled[key] = _launcher(compiled, tuple(plan.constexprs.values()))
         return
-    run(plan.grid, torch._C._cuda_getCurrentRawStream(device.index), addresses, values)
+    run(plan.grid, torch._C._cuda_getCurrentRawStream(index), addresses, values)
 
 
 def _launcher(compiled, constexprs: tuple):
