@@ -51,35 +51,44 @@ SHAPES = [
 PLAIN = dict(HAS_BIAS=False, SUM_NORM=False, LAYER_NORM=False, HAS_NORM_BIAS=False, QUANT=0, SCALE_GROUP=0)
 
 
-def _compile_all() -> None:
+def compile_shape(name: str, world: int, dtype: str, constexprs: dict, target, use_pdl: bool, max_warps: int):
+    """Compile one entry of :data:`SHAPES` for ``target`` (a ``GPUTarget``): the compiled kernel and its
+    constexprs. Warps as ``protocol.launch_config`` gives them on the target (at most ``max_warps``; a
+    shape's ``num_warps`` is the launcher's ``max_warps`` argument)."""
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from tpfuse.kernels.oneshot import _oneshot_allreduce_add_rmsnorm_kernel
     from tpfuse.kernels.twoshot import _twoshot_allreduce_add_rmsnorm_kernel
 
-    kernels = {"oneshot": _oneshot_allreduce_add_rmsnorm_kernel,
-               "twoshot": _twoshot_allreduce_add_rmsnorm_kernel}
+    kernel = {"oneshot": _oneshot_allreduce_add_rmsnorm_kernel, "twoshot": _twoshot_allreduce_add_rmsnorm_kernel}[name]
+    constexprs = dict(constexprs)
+    asked = constexprs.pop("num_warps", 16)
+    flags = dict(PLAIN, RANK=world - 1, WORLD=world, HAS_RESIDUAL=True, USE_PDL=use_pdl,
+                 DEADLINE_GIVEN=False, DESC_FLAGS=5, **constexprs)
+    warps = max(1, min(asked, max_warps, flags["BLOCK_H"] // (8 * target.warp_size)))
+    quant = flags["QUANT"] > 0
+    signature = {
+        arg: "constexpr" if arg in flags
+        else POINTERS[arg].format(dt=dtype, yt="u8" if quant else dtype) if arg in POINTERS
+        else SCALARS[arg]
+        for arg in kernel.arg_names
+    }
+    # Triton's launcher tells the compiler which pointers are 16-byte aligned (torch's tensors are);
+    # the sizes get no hint here, as for a hidden size such as 4104 that is not a multiple of 16.
+    aligned = {(i,): [["tt.divisibility", 16]]
+               for i, arg in enumerate(kernel.arg_names) if arg in POINTERS}
+    compiled = triton.compile(ASTSource(kernel, signature, flags, aligned), target=target,
+                              options={"num_warps": warps})
+    return compiled, flags
+
+
+def _compile_all() -> None:
+    from triton.backends.compiler import GPUTarget
+
     for name, world, dtype, constexprs in SHAPES:
-        kernel = kernels[name]
-        constexprs = dict(constexprs)
-        warps = constexprs.pop("num_warps", 16)
-        flags = dict(PLAIN, RANK=world - 1, WORLD=world, HAS_RESIDUAL=True, USE_PDL=True,
-                     DEADLINE_GIVEN=False, DESC_FLAGS=5, **constexprs)
+        compiled, flags = compile_shape(name, world, dtype, constexprs, GPUTarget("cuda", 90, 32), True, 32)
         quant = flags["QUANT"] > 0
-        signature = {
-            arg: "constexpr" if arg in flags
-            else POINTERS[arg].format(dt=dtype, yt="u8" if quant else dtype) if arg in POINTERS
-            else SCALARS[arg]
-            for arg in kernel.arg_names
-        }
-        # Triton's launcher tells the compiler which pointers are 16-byte aligned (torch's tensors are);
-        # the sizes get no hint here, as for a hidden size such as 4104 that is not a multiple of 16.
-        aligned = {(i,): [["tt.divisibility", 16]]
-                   for i, arg in enumerate(kernel.arg_names) if arg in POINTERS}
-        compiled = triton.compile(ASTSource(kernel, signature, flags, aligned),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         ptx = compiled.asm["ptx"]
         narrow = len(re.findall(r"(?:ld|st)(?:\.volatile)?\.global\.b16", ptx))
         # The fp8 wire's exponent words (one per block of 128: a short vector, a word a thread) add a

@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from tpfuse.kernels.protocol import _now, _peer_base, launch_config
+from tpfuse.kernels.protocol import _peer_base, launch_config
+from tpfuse.kernels.vendor import load_polled, now, pdl_start, store_shared, wait_ticks
 
 # Each rank's counter sits at its own 16-byte word group of a peer's buffer.
 _STRIDE = tl.constexpr(8)
@@ -27,9 +26,7 @@ _STRIDE = tl.constexpr(8)
 
 @triton.jit
 def _launch_only_kernel(USE_PDL: tl.constexpr):
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(USE_PDL)
 
 
 @triton.jit
@@ -39,23 +36,22 @@ def _ping_pong_kernel(peer_ptrs_ptr, state_ptr, wait_limit, RANK: tl.constexpr, 
     then wait for every peer's. A peer may already be one call ahead (it needed only our counter to
     finish this call) and have overwritten its counter with the next: that one counts as arrived too.
     ``state_ptr``: [calls made, calls whose wait ran out]."""
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_start(USE_PDL)
     calls = tl.load(state_ptr)
     counter = ((calls + 1) & 0x7FFF).to(tl.int16)
     ahead = ((calls + 2) & 0x7FFF).to(tl.int16)
     for r in tl.static_range(WORLD):
         if r != RANK:
-            tl.store(_peer_base(peer_ptrs_ptr, r) + RANK * _STRIDE, counter)
+            store_shared(_peer_base(peer_ptrs_ptr, r) + RANK * _STRIDE, counter)
     own = _peer_base(peer_ptrs_ptr, RANK)
-    deadline = _now() + wait_limit
+    deadline = now() + wait_limit
     missing = 0
     for r in tl.static_range(WORLD):
         if r != RANK:
-            seen = tl.load(own + r * _STRIDE, volatile=True)
-            while (seen != counter) & (seen != ahead) & (_now() < deadline):
-                seen = tl.load(own + r * _STRIDE, volatile=True)
+            one = tl.arange(0, 1)
+            seen = tl.max(load_polled(own + r * _STRIDE + one, one < 1), axis=0)
+            while (seen != counter) & (seen != ahead) & (now() < deadline):
+                seen = tl.max(load_polled(own + r * _STRIDE + one, one < 1), axis=0)
             missing |= ((seen != counter) & (seen != ahead)).to(tl.int32)
     tl.store(state_ptr, calls + 1)
     tl.store(state_ptr + 1, tl.load(state_ptr + 1) + missing)
@@ -72,12 +68,12 @@ class FloorKernels:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.state = torch.zeros(2, dtype=torch.int32, device=device)
         self.device = device
-        self.wait_limit_ns = int(wait_timeout_s * 1e9)
+        self.wait_ticks = wait_ticks(device, wait_timeout_s)  # in ticks of vendor.now
 
     def floor(self, hidden: int) -> None:
         """One exchange with every peer, launched as a one-token call of ``hidden`` is."""
         _, num_warps, use_pdl = launch_config(hidden, self.device)
-        _ping_pong_kernel[(1,)](self.workspace.peer_ptrs, self.state, self.wait_limit_ns, RANK=self.rank,
+        _ping_pong_kernel[(1,)](self.workspace.peer_ptrs, self.state, self.wait_ticks, RANK=self.rank,
                                 WORLD=self.world, USE_PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl)
 
     def launch(self, hidden: int) -> None:

@@ -9,9 +9,10 @@ the sentinel nor the data (with glibc 2.36, torn words appear within seconds of 
 shared-file workspace exists, 16-bit loads and stores of contiguous rows go through a numpy ufunc
 instead, whose typed loop moves whole aligned words. Other accesses keep Triton's own path.
 
-The kernels bound every wait with the GPU's nanosecond timer (``protocol._now``, inline assembly),
-which the interpreter cannot run; here it reads the host's monotonic clock instead, so the bound
-holds in wall time on the CPU too.
+The kernels bound every wait with the GPU's timer (``vendor.now``, inline assembly: NVIDIA's
+``%globaltimer`` in nanoseconds, AMD's ``s_memrealtime`` at the device's wall-clock rate), which the
+interpreter cannot run; here either reads the host's monotonic clock instead, at the rate the host
+side expects (``vendor.cpu_timer_ticks``), so the bound holds in wall time on the CPU too.
 
 And the interpreter truncates float32 -> bfloat16 (1.99 becomes 1.984375 where a GPU gives 1.9921875):
 here it rounds to nearest even, as GPUs do, so CPU results are the GPU's to the bit (the fp8 wire's
@@ -66,7 +67,8 @@ def _float32_to_bfloat16(data: np.ndarray) -> np.ndarray:
 
 def install() -> None:
     """Route the interpreter's 16-bit loads and stores of contiguous words through whole-word copies,
-    serve the kernels' timer reads (``%globaltimer``) from ``time.monotonic_ns``, and round float32 ->
+    serve the kernels' timer reads (``%globaltimer``, ``s_memrealtime``) from ``time.monotonic_ns``, and
+    round float32 ->
     bfloat16 to nearest even.
 
     Idempotent. Only affects Triton's interpreter (``TRITON_INTERPRET=1``); compiled kernels are
@@ -108,11 +110,16 @@ def install() -> None:
         np.bitwise_or(values[part], _ZERO, out=words, where=lanes[part])
 
     def create_inline_asm(self, asm, constraints, values, type, is_pure, pack):
-        if "%globaltimer" not in asm:
+        if "%globaltimer" not in asm and "s_memrealtime" not in asm:
             return triton_inline_asm(self, asm, constraints, values, type, is_pure, pack)
         import triton.language as tl
 
-        return _AsmCall(interpreter.TensorHandle(np.array([time.monotonic_ns()], np.int64), tl.int64))
+        from tpfuse.kernels import vendor
+
+        # The interpreted arch's timer, as the host computed the deadline (vendor.cpu_timer_ticks).
+        hz = vendor.NVIDIA_TIMER_HZ if "%globaltimer" in asm else vendor.INTERPRETED_AMD_TIMER_HZ
+        ticks = time.monotonic_ns() * hz // 1_000_000_000
+        return _AsmCall(interpreter.TensorHandle(np.array([ticks], np.int64), tl.int64))
 
     def cast_impl(self, src, dst_type):
         import triton.language as tl

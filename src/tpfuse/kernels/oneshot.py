@@ -14,7 +14,7 @@ Protocol (no barrier round trip, graph-safe; see docs/kernel-notes.md):
             while the pushed data is in flight
     check:  every program waits for each peer's descriptor of slot s and compares it with its own; a
             peer whose call differs fails the call at once (recorded, every wait then gives up)
-    wait:   it polls region r of its own slot s (volatile loads) until no word holds the sentinel
+    wait:   it polls region r of its own slot s (``vendor.load_polled``) until no word holds the sentinel
             (-0.0), for each peer r, until the deadline; its own rows it reads from x
     reduce: fp32 sum in rank order, the epilogue (kernels/epilogue.py: bias, post-norm, + residual,
             RMSNorm or LayerNorm, optional fp8; NaN once failed)
@@ -38,9 +38,10 @@ from tpfuse.kernels.epilogue import _before_residual, _load_params, _store_norme
 from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
-                                     _multiple_of_8, _pdl_start, _peer_base, _send_to_peers, _sendable_bits,
-                                     _slots, _start_clock, _sum_in_rank_order, call_constexprs, call_scalars,
+                                     _multiple_of_8, _peer_base, _send_to_peers, _sendable_bits, _slots,
+                                     _start_clock, _sum_in_rank_order, call_constexprs, call_scalars,
                                      call_tensors, launch_config)
+from tpfuse.kernels.vendor import pdl_start
 
 
 @triton.jit
@@ -90,7 +91,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     if X_FIRST:
         # The push's data does not depend on the state vector, only its destination does: load this
         # program's first chunk of x before the state, so the two latencies overlap.
-        _pdl_start(USE_PDL)
+        pdl_start(USE_PDL)
         pushes = n_tokens * PUSH_CHUNKS
         if SPLIT_PUSH:
             pushes = tl.minimum(pushes, pushers)

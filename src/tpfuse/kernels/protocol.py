@@ -8,16 +8,16 @@ same state vector, so calls of either algorithm may follow each other in any ord
 
 from __future__ import annotations
 
-import time
+import functools
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from tpfuse.kernels import layout
+from tpfuse.kernels import layout, vendor
 from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.layout import LaunchContext
+from tpfuse.kernels.vendor import arrive, load_polled, now, pdl_start, store_shared
 
 # Globals a jitted function reads must be constexpr objects.
 _SENTINEL = tl.constexpr(layout.SENTINEL)
@@ -34,17 +34,20 @@ _DESC_WORDS = tl.constexpr(layout.DESC_WORDS)
 # 16 warps of 32 threads, 8 elements a thread: a row of 4096 a pass. 32 warps (a row of 8192 over
 # 1024 threads, FlashInfer's shape) measured the same on 2 x H200 (docs/kernel-notes.md).
 MAX_WARPS = 16
+#: 16-bit elements a thread moves in one 16-byte access.
+_ELEMENTS_A_THREAD = 8
 
 
 def launch_config(hidden: int, device: torch.device, pdl: bool = True,
                   max_warps: int = MAX_WARPS) -> tuple[int, int, bool]:
     """(BLOCK_H, num_warps, use_pdl) for rows of ``hidden`` on ``device``: 8 elements a thread, at most
-    ``max_warps`` warps; PDL (programmatic dependent launch) when asked for and the GPU has it (Hopper
-    and newer)."""
+    ``max_warps`` warps and never more than 1024 threads (AMD's wavefronts are 64 threads: half the
+    warps); PDL (programmatic dependent launch) when asked for and the GPU has it (NVIDIA Hopper and
+    newer: ``vendor.Target.has_pdl``)."""
+    target = vendor.target(device)
     block_h = triton.next_power_of_2(hidden)
-    num_warps = max(1, min(max_warps, block_h // 256))
-    use_pdl = pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return block_h, num_warps, use_pdl
+    num_warps = max(1, min(max_warps, target.max_warps, block_h // (_ELEMENTS_A_THREAD * target.warp_size)))
+    return block_h, num_warps, pdl and target.has_pdl
 
 
 def call_tensors(ctx: LaunchContext, call: FusedCall) -> tuple:
@@ -56,14 +59,24 @@ def call_tensors(ctx: LaunchContext, call: FusedCall) -> tuple:
 def call_scalars(ctx: LaunchContext, call: FusedCall) -> tuple:
     """Both kernels' runtime scalars for ``call``: tokens, hidden, region, eps and the wait bound.
 
-    The wait bound is a duration on a GPU, where a launch may be captured in a CUDA graph and replayed
-    later; on the CPU it is the launch's deadline, which every program shares (the interpreter runs
-    programs one after another, so a per-program duration would add up).
+    The wait bound is in ticks of the kernels' timer (``vendor.now``: nanoseconds on NVIDIA, the
+    device's wall clock on AMD). It is a duration on a GPU, where a launch may be captured in a CUDA
+    graph and replayed later; on the CPU it is the launch's deadline, which every program shares (the
+    interpreter runs programs one after another, so a per-program duration would add up).
     """
     n_tokens, hidden = call.x.shape
-    on_gpu = call.x.device.type == "cuda"
-    return (n_tokens, hidden, ctx.workspace.region_elems, call.eps,
-            ctx.wait_limit_ns if on_gpu else time.monotonic_ns() + ctx.wait_limit_ns)
+    device = call.x.device
+    if device.type == "cuda":
+        wait = _gpu_wait_ticks(ctx.wait_limit_ns, device.index)
+    else:
+        wait = vendor.cpu_timer_ticks() + vendor.wait_ticks(device, ctx.wait_limit_ns / 1e9)
+    return (n_tokens, hidden, ctx.workspace.region_elems, call.eps, wait)
+
+
+@functools.lru_cache(maxsize=64)
+def _gpu_wait_ticks(wait_limit_ns: int, index: int) -> int:
+    """``wait_limit_ns`` in ticks of GPU ``index``'s timer: decided once, not on every call."""
+    return vendor.wait_ticks(torch.device("cuda", index), wait_limit_ns / 1e9)
 
 
 def call_constexprs(ctx: LaunchContext, call: FusedCall, twoshot: bool, wire: bool = False) -> dict:
@@ -121,7 +134,7 @@ def _send_to_peers(peer_ptrs_ptr, at, bits, mask, RANK: tl.constexpr, WORLD: tl.
     """Store ``bits`` at offset ``at`` of every peer's buffer (not our own)."""
     for r in tl.static_range(WORLD):
         if r != RANK:
-            tl.store(_peer_base(peer_ptrs_ptr, r) + at, bits, mask=mask)
+            store_shared(_peer_base(peer_ptrs_ptr, r) + at, bits, mask)
 
 
 @triton.jit
@@ -137,23 +150,13 @@ def _desc_base(slot, region_elems, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _pdl_start(USE_PDL: tl.constexpr):
-    """With programmatic dependent launch (USE_PDL) the kernel was launched early: wait until the
-    previous kernel's writes, the state vector and x included, are visible, then let the next kernel
-    launch early too. Before any load."""
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-
-
-@triton.jit
 def _slots(state_ptr, region_elems, WORLD: tl.constexpr, USE_PDL: tl.constexpr):
     """(call, slot, slot_base, prev_slot, prev_extent): this call's number and slot, where the slot
     starts, the previous call's slot and how many words a rank wrote into it.
 
-    Every kernel starts here (after :func:`_pdl_start` when it does so itself: USE_PDL False then).
+    Every kernel starts here (after ``vendor.pdl_start`` when it does so itself: USE_PDL False then).
     """
-    _pdl_start(USE_PDL)
+    pdl_start(USE_PDL)
     call = tl.load(state_ptr + _STATE_CALL)
     slot = call % _NUM_SLOTS
     prev_slot = (call + _NUM_SLOTS - 1) % _NUM_SLOTS
@@ -162,21 +165,13 @@ def _slots(state_ptr, region_elems, WORLD: tl.constexpr, USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def _now():
-    """The GPU's global nanosecond timer. Written as inline assembly here (not Triton's
-    ``globaltimer``) so that ``tpfuse.kernels.interpreter`` can serve it on the CPU, from the host's
-    monotonic clock."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
 def _start_clock(wait_limit, DEADLINE_GIVEN: tl.constexpr):
-    """The deadline every wait of this program shares: given (CPU), or the bound from now (GPU)."""
+    """The deadline every wait of this program shares, in ticks of ``vendor.now``: given (CPU), or the
+    bound from now (GPU)."""
     if DEADLINE_GIVEN:
         return wait_limit.to(tl.int64)
     else:
-        return _now() + wait_limit
+        return now() + wait_limit
 
 
 @triton.jit
@@ -184,12 +179,13 @@ def _wait_row(src, mask, deadline):
     """Poll a row of words until none holds the sentinel or the ``deadline`` passes.
 
     Returns the row and 1 if words are still missing (0 when it all arrived). Once the deadline has
-    passed, every later wait returns after one look.
+    passed, every later wait returns after one look. Every look reads memory (``vendor.load_polled``),
+    past the caches on AMD: a peer's words may arrive at any time.
     """
-    bits = tl.load(src, mask=mask, other=0, volatile=True)
+    bits = load_polled(src, mask)
     missing = tl.max((bits == _SENTINEL).to(tl.int32), axis=0)
-    while (missing > 0) & (_now() < deadline):
-        bits = tl.load(src, mask=mask, other=0, volatile=True)
+    while (missing > 0) & (now() < deadline):
+        bits = load_polled(src, mask)
         missing = tl.max((bits == _SENTINEL).to(tl.int32), axis=0)
     return bits, (missing > 0).to(tl.int32)
 
@@ -287,7 +283,8 @@ def _clear_slot(
     and (program 0) the peers' descriptors of that slot.
 
     Our own region and descriptor are never written by anyone (we keep our rows in x), so they stay
-    clear.
+    clear. The sentinel is written through to memory (``vendor.store_shared``): on AMD a clear left in
+    a cache could be written back after a peer's next data and overwrite it.
     """
     sentinel = tl.full([BLOCK_H], _SENTINEL, tl.int16)
     extent = _multiple_of_8(extent)  # tokens x hidden
@@ -299,10 +296,10 @@ def _clear_slot(
             start = first * BLOCK_H
             while start < extent:
                 idx = start + cols
-                tl.store(own + slot_base + r * region_elems + idx, sentinel, mask=idx < extent)
+                store_shared(own + slot_base + r * region_elems + idx, sentinel, idx < extent)
                 start += step * BLOCK_H
             if first == 0:
-                tl.store(own + desc_slot + r * _DESC_WORDS + i, tl.full([_DESC_WORDS], _SENTINEL, tl.int16))
+                store_shared(own + desc_slot + r * _DESC_WORDS + i, tl.full([_DESC_WORDS], _SENTINEL, tl.int16))
 
 
 @triton.jit
@@ -312,16 +309,14 @@ def _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_progra
 
     The error entries hold the failed call's number (1-based) and descriptor, for the host to report
     (with the differing peer's, which ``_check_peers`` recorded). Every program has read the state by
-    the time it arrives (its loads fed addresses it has already used), so the arrival itself needs
-    no ordering.
+    the time it arrives (its loads fed addresses it has already used), so on NVIDIA the arrival itself
+    needs no ordering (RELAXED_ARRIVE); on AMD it releases this program's clears at system scope
+    (``vendor.arrive``).
     """
     if failed > 0:
         tl.store(state_ptr + _STATE_ERROR_OWN + tl.arange(0, _DESC_WORDS), desc.to(tl.int32))
         tl.atomic_xchg(state_ptr + _STATE_ERROR, call + 1)
-    if RELAXED_ARRIVE:
-        arrived = tl.atomic_add(state_ptr + _STATE_ARRIVED, 1, sem="relaxed")
-    else:
-        arrived = tl.atomic_add(state_ptr + _STATE_ARRIVED, 1, sem="acq_rel")
+    arrived = arrive(state_ptr + _STATE_ARRIVED, RELAXED_ARRIVE)
     if arrived == n_programs - 1:
         tl.store(state_ptr + _STATE_EXTENT + slot, n_tokens * hidden)
         tl.store(state_ptr + _STATE_CALL, call + 1)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from tpfuse.kernels.epilogue import FP8_MAX, MIN_DYNAMIC_SCALE, PLAIN, Epilogue
+from tpfuse.kernels.epilogue import PLAIN, Epilogue
+from tpfuse.kernels.vendor import Fp8Format, fp8_format
 
-__all__ = ["FP8_MAX", "add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64"]
+__all__ = ["add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64"]
 
 
 def _rmsnorm(s: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,14 +37,16 @@ def _epilogue(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     return y, h
 
 
-def dynamic_fp8(y: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``y`` [..., H] as float8_e4m3fn with one scale per ``group`` elements of a row (a group of H: one
-    scale a token), and the scales [..., H // group] (float32): ``scale = max(amax / 448,
-    MIN_DYNAMIC_SCALE)``, ``q = clamp(y / scale, -448, 448)``. Also the form the compiler's dynamic fp8
-    pattern finds in a model (``compiler.patterns.match_dynamic_fp8``)."""
+def dynamic_fp8(y: torch.Tensor, group: int, fmt: Fp8Format | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y`` [..., H] as fp8 of ``fmt`` (default: ``y``'s device's, ``vendor.fp8_format``) with one scale
+    per ``group`` elements of a row (a group of H: one scale a token), and the scales [..., H // group]
+    (float32): ``scale = max(amax / fp8_max, fmt.min_dynamic_scale)``, ``q = clamp(y / scale, -fp8_max,
+    fp8_max)`` with fp8_max 448 (e4m3fn) or 240 (e4m3fnuz). Also the form the compiler's dynamic fp8
+    pattern finds in a model (``compiler.matchers``)."""
+    fmt = fmt or fp8_format(y.device)
     groups = y.float().unflatten(-1, (-1, group))
-    scales = (groups.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_DYNAMIC_SCALE)
-    q = (groups / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scales = (groups.abs().amax(-1, keepdim=True) / fmt.max).clamp(min=fmt.min_dynamic_scale)
+    q = (groups / scales).clamp(-fmt.max, fmt.max).to(fmt.dtype)
     return q.flatten(-2), scales.squeeze(-1)
 
 
@@ -58,7 +61,8 @@ def add_rmsnorm_reference(
     """The block end of an already all-reduced ``reduced`` [T, H], in fp32.
 
     Returns ``(y, h, scales)``: ``h`` in ``out_dtype`` (default ``reduced.dtype``), ``y`` in that dtype
-    or float8_e4m3fn when the block end quantises (dynamic fp8: then ``scales``, else None). ``y`` is
+    or the device's fp8 (``vendor.fp8_format``: float8_e4m3fn, float8_e4m3fnuz on gfx942) when the
+    block end quantises (dynamic fp8: then ``scales``, else None). ``y`` is
     computed from the fp32 ``h``, as the one-shot kernel does (the two-shot computes it from the
     rounded ``h`` that travels).
     """
@@ -66,7 +70,8 @@ def add_rmsnorm_reference(
     y, h = _epilogue(reduced.float(), residual, weight, eps, epilogue)
     scales = None
     if epilogue.quant_scale is not None:
-        y = (y / epilogue.quant_scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        fmt = fp8_format(reduced.device)
+        y = (y / epilogue.quant_scale.float()).clamp(-fmt.max, fmt.max).to(fmt.dtype)
     elif epilogue.scale_group:
         y, scales = dynamic_fp8(y, epilogue.scale_group)
     else:
@@ -80,13 +85,16 @@ def fused_reference_float64(
     weight: torch.Tensor,
     eps: float,
     epilogue: Epilogue = PLAIN,
+    fmt: Fp8Format | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole op in float64 from every rank's input: the oracle tests compare against.
 
-    Returns float64 ``(y, h)``; with a static scale ``y`` is divided by it and clamped, but not rounded
-    to fp8; a dynamic fp8 block end does not change ``y`` (compare ``q * scales`` with it).
+    Returns float64 ``(y, h)``; with a static scale ``y`` is divided by it and clamped to the largest
+    value of ``fmt`` (default: the fp8 format of ``xs``' device, ``vendor.fp8_format``), but not
+    rounded to fp8; a dynamic fp8 block end does not change ``y`` (compare ``q * scales`` with it).
     """
     y, h = _epilogue(torch.stack([x.double() for x in xs]).sum(0), residual, weight, eps, epilogue)
     if epilogue.quant_scale is not None:
-        y = (y / epilogue.quant_scale.double()).clamp(-FP8_MAX, FP8_MAX)
+        fp8_max = (fmt or fp8_format(xs[0].device)).max
+        y = (y / epilogue.quant_scale.double()).clamp(-fp8_max, fp8_max)
     return y, h

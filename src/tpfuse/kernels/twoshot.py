@@ -43,6 +43,7 @@ from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _desc
                                      _sendable, _sendable_bits, _slots, _start_clock, _sum_in_rank_order,
                                      _wait_row, call_constexprs, call_scalars, call_tensors,
                                      launch_config)
+from tpfuse.kernels.vendor import store_shared
 from tpfuse.kernels.wire import _WIRE_BLOCK, _decode, _encode, wire_supported
 
 
@@ -78,8 +79,8 @@ def _wire_places(row, hidden, BLOCK_H: tl.constexpr):
 @triton.jit
 def _send_wire(region, row, hidden, words, exponents, BLOCK_H: tl.constexpr):
     word_at, word_mask, exp_at, exp_mask = _wire_places(row, hidden, BLOCK_H)
-    tl.store(region + word_at, words, mask=word_mask)
-    tl.store(region + exp_at, exponents, mask=exp_mask)
+    store_shared(region + word_at, words, word_mask)
+    store_shared(region + exp_at, exponents, exp_mask)
 
 
 @triton.jit
@@ -111,8 +112,8 @@ def _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, la
                 _send_wire(_peer_base(peer_ptrs_ptr, owner) + send_base, row, hidden, words, exponents,
                            BLOCK_H)
             else:
-                tl.store(_peer_base(peer_ptrs_ptr, owner) + send_base + offs,
-                         _sendable_bits(x_ptr, offs, mask), mask=mask)
+                store_shared(_peer_base(peer_ptrs_ptr, owner) + send_base + offs,
+                             _sendable_bits(x_ptr, offs, mask), mask)
         i += 1
 
 

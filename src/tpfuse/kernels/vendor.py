@@ -172,6 +172,13 @@ def _gpu_target(index: int) -> Target:
     return Target(f"sm{props.major}{props.minor}")
 
 
+def fp8_format(device: torch.device | str | None = None) -> Fp8Format:
+    """The fp8 format of the fused op's fp8 outputs on ``device`` (the CPU: the interpreted arch's):
+    float8_e4m3fnuz on gfx942, float8_e4m3fn elsewhere. The ops, the reference path and the compiler's
+    fp8 patterns all ask here."""
+    return target(device).fp8
+
+
 def timer_hz(device: torch.device | str | None = None) -> int:
     """Ticks a second of the timer the kernels read (:func:`now`) on ``device``."""
     device = torch.device(device or "cpu")
@@ -282,7 +289,7 @@ def load_polled(ptrs, mask):
 
 
 @triton.jit
-def store_shared(ptrs, values, mask):
+def store_shared(ptrs, values, mask=None):
     """Store words a peer waits for (data and descriptors pushed to peers), or the sentinel that clears
     them in our own buffer: written through to memory, where peers and polls read."""
     if on_amd():
