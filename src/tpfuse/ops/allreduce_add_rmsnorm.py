@@ -34,13 +34,14 @@ from tpfuse.kernels import kernels_usable
 from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.epilogue import Epilogue
 from tpfuse.kernels.reference import add_rmsnorm_reference
+from tpfuse.kernels.vendor import fp8_format
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP8_DTYPE = torch.float8_e4m3fn
 
 
 def _output_dtype(x: torch.Tensor, steps: Epilogue) -> torch.dtype:
-    return FP8_DTYPE if steps.fp8_output else x.dtype
+    """y's dtype: x's, or the fp8 of x's device (float8_e4m3fnuz on gfx942, else float8_e4m3fn)."""
+    return fp8_format(x.device).dtype if steps.fp8_output else x.dtype
 
 
 def check_inputs(
@@ -119,7 +120,8 @@ def check_inputs(
         if t.shape != shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
         if t.dtype != dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype}")
+            fp8 = " (the fp8 format of this device)" if name == "out" and steps.fp8_output else ""
+            raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype}{fp8}")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
         same_place(t, name)
@@ -252,7 +254,7 @@ def _dynamic_fp8_outputs(x: torch.Tensor, scale_group: int) -> tuple[torch.Tenso
     """(y8, scales, h), empty."""
     n_tokens, hidden = x.shape
     groups = hidden // scale_group if scale_group > 0 else 0
-    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device),
+    return (torch.empty(x.shape, dtype=fp8_format(x.device).dtype, device=x.device),
             torch.empty((n_tokens, groups), dtype=torch.float32, device=x.device), torch.empty_like(x))
 
 
@@ -368,7 +370,8 @@ def allreduce_add_rmsnorm(
     out, residual_out : Tensor [T, H], optional
         Preallocated outputs for ``y`` and ``h``.
     quant_scale : Tensor, optional
-        float32 of one element: ``y`` becomes float8_e4m3fn ``clamp(y / scale, -448, 448)``.
+        float32 of one element: ``y`` becomes float8_e4m3fn ``clamp(y / scale, -448, 448)``
+        (on gfx942, MI300: float8_e4m3fnuz, clamped to +-240).
     bias : Tensor [H], optional
         Added to the sum before anything else (a row-parallel layer's bias).
     sum_weight : Tensor [H], optional
@@ -423,7 +426,7 @@ def allreduce_add_rmsnorm_dynamic_fp8(
     ``scale_group`` elements share a scale: None (or H) for one scale a token (``scales`` [T, 1]),
     128 for DeepSeek-V3 / Llama-4 style groups (``scales`` [T, H / 128]). Each scale is
     ``max(amax / 448, 1 / (448 * 512))`` over its elements and ``y8 = clamp(y / scale, -448, 448)``,
-    so ``y8 * scale`` approximates ``y``.
+    so ``y8 * scale`` approximates ``y`` (on gfx942, MI300: float8_e4m3fnuz and 240 for 448).
 
     Returns
     -------
