@@ -3,12 +3,14 @@
     import tpfuse
     comm = tpfuse.get_communicator(group)              # once, before any CUDA-graph capture
     y, h = tpfuse.allreduce_add_rmsnorm(x, residual, weight, eps, group=group)
-    model = tpfuse.compile(model)                      # the fusion in any TP model (tpfuse.compiler)
+    model = tpfuse.compile(model)                      # the fusion in any TP model (tpfuse.compiler);
+                                                       # also a function: tpfuse.compile(decode_one_token)
+    model.generation_config.compile_config = tpfuse.compile_config(model)   # HF generate()'s own compile
 """
 
 from tpfuse._stats import reset_stats, stats
 from tpfuse.comm import Communicator, check_errors, destroy_all, get_communicator
-from tpfuse.compiler import compile, explain
+from tpfuse.compiler import compile, compile_config, explain
 from tpfuse.ops import allreduce_add_rmsnorm, allreduce_add_rmsnorm_dynamic_fp8
 
 __version__ = "0.1.0"
@@ -19,6 +21,7 @@ __all__ = [
     "allreduce_add_rmsnorm_dynamic_fp8",
     "check_errors",
     "compile",
+    "compile_config",
     "destroy_all",
     "explain",
     "get_communicator",

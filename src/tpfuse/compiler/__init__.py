@@ -13,15 +13,17 @@ all dims but the last of the all-reduced tensors (``[tokens, hidden]`` or ``[bat
 from __future__ import annotations
 
 from tpfuse.compiler.backend import (
+    CompiledFunction,
     CompiledModel,
     Explanation,
     TpfuseBackend,
     compile,
+    compile_config,
     explain,
     inductor_options_for_mode,
 )
 from tpfuse.compiler.fusion_pass import FusionPass, SiteReport
 from tpfuse.compiler.patterns import PATTERNS, FusionPattern, Match
 
-__all__ = ["CompiledModel", "Explanation", "FusionPass", "FusionPattern", "Match", "PATTERNS", "SiteReport",
-           "TpfuseBackend", "compile", "explain", "inductor_options_for_mode"]
+__all__ = ["CompiledFunction", "CompiledModel", "Explanation", "FusionPass", "FusionPattern", "Match", "PATTERNS", "SiteReport",
+           "TpfuseBackend", "compile", "compile_config", "explain", "inductor_options_for_mode"]

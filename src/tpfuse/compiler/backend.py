@@ -12,11 +12,15 @@ runs when every such count is within its limit, the plain graph otherwise.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
 import pathlib
+import types
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -185,28 +189,38 @@ class TpfuseBackend:
         """Every all-reduce site of every compiled graph, fused or not and why (pass runs first)."""
         return [graph for p in self.passes for graph in p.reports] + self.unfusable
 
-    def _compile(self, gm, example_inputs, fusion_pass: FusionPass | None):
+    def __deepcopy__(self, memo):
+        # Hugging Face deep-copies a CompileConfig (backend included) before handing it to torch.compile:
+        # the copy would compile and record apart from the object the user holds. A backend is shared.
+        return self
+
+    def _compile(self, gm, example_inputs, fusion_pass: FusionPass | None, inductor_options: dict):
         from torch._inductor.compile_fx import compile_fx
 
-        patches = dict(self.inductor_options)
+        patches = dict(inductor_options)
         if fusion_pass is not None:
             patches["post_grad_custom_post_pass"] = fusion_pass
             self.passes.append(fusion_pass)
         self.compiles["fused" if fusion_pass is not None else "plain"] += 1
         return compile_fx(gm, example_inputs, config_patches=patches)
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None,
+                 options: dict | None = None):
+        """Compile one dynamo graph. ``torch.compile(fn, backend=backend, mode=..., options=...)`` hands
+        its ``mode`` and ``options`` here (Hugging Face's ``CompileConfig`` always sets a mode): they
+        add to the Inductor settings the backend was made with."""
+        inductor_options = {**self.inductor_options, **inductor_options_for_mode(mode), **(options or {})}
         plan = plan_graph(gm)
         if not plan.fusable:
             if plan.sites:  # never silent: a graph with all-reduces and nothing to fuse says why
                 self.unfusable.append(plan.sites)
                 report_graph(plan.sites, "compiled without the fusion")
-            return self._compile(gm, example_inputs, None)
+            return self._compile(gm, example_inputs, None, inductor_options)
         bounds = {key: limit for key, (_, limit) in plan.bounds.items()}
         if not bounds:  # static token counts only: one graph
-            return self._compile(gm, example_inputs, FusionPass(token_bounds={}))
+            return self._compile(gm, example_inputs, FusionPass(token_bounds={}), inductor_options)
         fusion_pass = FusionPass(token_bounds=bounds)
-        fused = self._compile(gm, example_inputs, fusion_pass)
+        fused = self._compile(gm, example_inputs, fusion_pass, inductor_options)
         # Only the token counts of sites that fused bound the fused graph: an all-reduce the pass left
         # alone (an MoE's [experts * tokens, H], say) runs at any size.
         relied = _bounds_relied_on(fusion_pass, gm)
@@ -214,7 +228,7 @@ class TpfuseBackend:
         if not bounds:
             return fused  # nothing fused on a dynamic token count: the graph serves every size
         checks = [(_token_reader(gm, plan.bounds[key][0]), limit) for key, limit in bounds.items()]
-        plain = self._compile(gm, example_inputs, None)
+        plain = self._compile(gm, example_inputs, None, inductor_options)
         log.info("tpfuse: graph split: the fused graph while %s, the plain graph above",
                  " and ".join(f"{key} <= {limit}" for key, limit in bounds.items()))
 
@@ -224,39 +238,154 @@ class TpfuseBackend:
         return run
 
 
-class CompiledModel(torch.nn.Module):
-    """What :func:`compile` returns for a module: the compiled module, traced with floats specialised.
+def _hooked_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and its submodules that carry module-level backward hooks."""
+    return [m for m in module.modules() if m._backward_hooks or m._backward_pre_hooks]
 
-    Dynamo turns float attributes such as a norm's ``eps`` into graph inputs unless floats are
-    specialised; the fused op needs eps as a constant, so calls trace with ``specialize_float=True``.
 
-    Calls without grad also hide the model's module-level backward hooks: dynamo breaks the graph at
-    every module that has one, which separates an all-reduce from its add and norm (Hugging Face's
-    tensor-parallel Qwen3 hooks its q/k norms to all-reduce their gradients), and without grad such a
-    hook can never run. They are back in place when the call returns.
+def _run_traced(compiled, hooked: list[torch.nn.Module], args, kwargs):
+    """Call a dynamo-compiled callable the way the fusion needs it traced.
+
+    Floats are specialised: dynamo otherwise turns float attributes such as a norm's ``eps`` into
+    graph inputs, and the fused op needs eps as a constant.
+
+    Without grad the backward hooks of ``hooked`` modules are hidden during the call: dynamo breaks
+    the graph at every module that has one, which separates an all-reduce from its add and norm
+    (Hugging Face's tensor-parallel Qwen3 hooks its q/k norms to all-reduce their gradients), and
+    without grad such a hook can never run. They are back in place when the call returns.
+    """
+    with torch._dynamo.config.patch(specialize_float=True):
+        if not hooked or torch.is_grad_enabled():
+            return compiled(*args, **kwargs)
+        saved = [(m, m._backward_hooks, m._backward_pre_hooks) for m in hooked]
+        try:
+            for m in hooked:
+                object.__setattr__(m, "_backward_hooks", collections.OrderedDict())
+                object.__setattr__(m, "_backward_pre_hooks", collections.OrderedDict())
+            return compiled(*args, **kwargs)
+        finally:
+            for m, hooks, pre_hooks in saved:
+                object.__setattr__(m, "_backward_hooks", hooks)
+                object.__setattr__(m, "_backward_pre_hooks", pre_hooks)
+
+
+# An enclosing torch.compile (Hugging Face generate()'s own, over a static cache on a GPU) must not trace
+# into a tpfuse-compiled call: it would inline the model with its own backend and lose the fusion. It
+# calls this one as it stands instead (a graph break), and the call compiles with tpfuse's backend.
+_not_traced_from_outside = torch._dynamo.disable
+
+
+class CompiledModel:
+    """What :func:`compile` returns for a module: the module, compiled, standing in for it.
+
+    Calling it runs the compiled model (:func:`_run_traced` says how it is traced). Every other
+    attribute is the model's (``config``, ``device``, ``state_dict``, ``generate``, ...), read and
+    set on the model itself; one the model lacks raises the model's own ``AttributeError``. While a
+    method of the model runs through the wrapper (``compiled.generate(ids)``), the model's own calls
+    of itself run compiled, so Hugging Face's ``generate()`` decodes, and prefills, with the fusion.
+    A method that returns the model (``to``, ``eval``) returns the wrapper.
+
+    Attributes
+    ----------
+    tpfuse_backend : TpfuseBackend
+        What was compiled and fused (its ``compiles`` and ``reports``).
+    _orig_mod : nn.Module
+        The model, as ``torch.compile``'s wrapper names it.
     """
 
-    def __init__(self, compiled: torch.nn.Module, backend: TpfuseBackend):
-        super().__init__()
-        self.compiled = compiled
-        self.tpfuse_backend = backend
-        model = getattr(compiled, "_orig_mod", compiled)
-        self._hooked = [m for m in model.modules() if m._backward_hooks or m._backward_pre_hooks]
+    _own = frozenset({"_orig_mod", "tpfuse_backend", "_compiled", "_hooked"})
 
-    def forward(self, *args, **kwargs):
-        with torch._dynamo.config.patch(specialize_float=True):
-            if not self._hooked or torch.is_grad_enabled():
-                return self.compiled(*args, **kwargs)
-            saved = [(m, m._backward_hooks, m._backward_pre_hooks) for m in self._hooked]
-            try:
-                for m in self._hooked:
-                    object.__setattr__(m, "_backward_hooks", collections.OrderedDict())
-                    object.__setattr__(m, "_backward_pre_hooks", collections.OrderedDict())
-                return self.compiled(*args, **kwargs)
-            finally:
-                for m, hooks, pre_hooks in saved:
-                    object.__setattr__(m, "_backward_hooks", hooks)
-                    object.__setattr__(m, "_backward_pre_hooks", pre_hooks)
+    def __init__(self, model: torch.nn.Module, compiled, backend: TpfuseBackend):
+        object.__setattr__(self, "_orig_mod", model)
+        object.__setattr__(self, "tpfuse_backend", backend)
+        object.__setattr__(self, "_compiled", compiled)  # torch.compile of model._call_impl
+        object.__setattr__(self, "_hooked", _hooked_modules(model))
+
+    @_not_traced_from_outside
+    def __call__(self, *args, **kwargs):
+        return _run_traced(self._compiled, self._hooked, args, kwargs)
+
+    forward = __call__
+
+    def __getattr__(self, name: str):
+        value = getattr(self._orig_mod, name)  # the model's own AttributeError when it has none
+        if inspect.ismethod(value) and value.__self__ is self._orig_mod:
+            return self._through_compiled(value)
+        return value
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._own:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._orig_mod, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self._orig_mod, name)
+
+    def __dir__(self):
+        return sorted(set(dir(self._orig_mod)) | self._own)
+
+    def __repr__(self) -> str:
+        return f"tpfuse.CompiledModel({self._orig_mod!r})"
+
+    def _through_compiled(self, method):
+        """``method`` of the model, run with the model's calls of itself going through the compiled call."""
+        model = self._orig_mod
+
+        @functools.wraps(method)
+        def run(*args, **kwargs):
+            if model._compiled_call_impl is not None:  # already routed (a nested call), or nn.Module.compile()
+                result = method(*args, **kwargs)
+            else:
+                # nn.Module.__call__ runs _compiled_call_impl when it is set (nn.Module.compile() uses it):
+                # the compiled call traces model._call_impl, which does not look at it, so it cannot recurse.
+                object.__setattr__(model, "_compiled_call_impl", self.__call__)
+                try:
+                    result = method(*args, **kwargs)
+                finally:
+                    object.__setattr__(model, "_compiled_call_impl", None)
+            return self if result is model else result
+
+        return run
+
+
+class CompiledFunction:
+    """What :func:`compile` returns for a function or a bound method: it, compiled.
+
+    ``model.forward = tpfuse.compile(model.forward)`` (Hugging Face's idiom) and gpt-fast's
+    ``decode_one_token = tpfuse.compile(decode_one_token)`` both fuse. Backward hooks are hidden
+    (:func:`_run_traced`) on the module a bound method belongs to and on modules passed as arguments.
+    Name, docstring and ``__wrapped__`` are the function's; it binds as a method when set on a class.
+
+    Attributes
+    ----------
+    tpfuse_backend : TpfuseBackend
+        What was compiled and fused (its ``compiles`` and ``reports``).
+    """
+
+    def __init__(self, fn, compiled, backend: TpfuseBackend):
+        functools.update_wrapper(self, fn)
+        self.tpfuse_backend = backend
+        self._compiled = compiled
+        owner = getattr(fn, "__self__", None)
+        self._owner_hooked = _hooked_modules(owner) if isinstance(owner, torch.nn.Module) else []
+        self._hooked_by_argument: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @_not_traced_from_outside
+    def __call__(self, *args, **kwargs):
+        hooked = list(self._owner_hooked)
+        for arg in (*args, *kwargs.values()):
+            if isinstance(arg, torch.nn.Module):
+                if arg not in self._hooked_by_argument:
+                    self._hooked_by_argument[arg] = _hooked_modules(arg)
+                hooked += self._hooked_by_argument[arg]
+        return _run_traced(self._compiled, hooked, args, kwargs)
+
+    def __get__(self, instance, owner=None):
+        return self if instance is None else types.MethodType(self, instance)
+
+    def __repr__(self) -> str:
+        return f"tpfuse.CompiledFunction({self.__wrapped__!r})"
 
 
 def inductor_options_for_mode(mode: str | None) -> dict:
@@ -274,15 +403,17 @@ def inductor_options_for_mode(mode: str | None) -> dict:
     return dict(modes[mode])
 
 
-def compile(model: torch.nn.Module, *, mode: str | None = None, dynamic: bool = True, **torch_compile_kwargs):
+def compile(model_or_fn, *, mode: str | None = None, dynamic: bool = True, **torch_compile_kwargs):
     """``torch.compile`` with tpfuse's fusion: one compiled graph per token range.
 
     Parameters
     ----------
-    model : nn.Module
-        Any model whose tensor-parallel all-reduces are functional collectives, ``dist.all_reduce``
-        or DTensor redistributions (Hugging Face ``tp_plan="auto"``, ``parallelize_module``,
-        gpt-fast's hooks); activations ``[tokens, hidden]`` or ``[batch, seq, hidden]``.
+    model_or_fn : nn.Module, function or bound method
+        What ``torch.compile`` takes: a model whose tensor-parallel all-reduces are functional
+        collectives, ``dist.all_reduce`` or DTensor redistributions (Hugging Face ``tp_plan="auto"``,
+        ``parallelize_module``, gpt-fast's hooks), activations ``[tokens, hidden]`` or
+        ``[batch, seq, hidden]``; or a function that runs one (``model.forward``, gpt-fast's
+        ``decode_one_token(model, x, input_pos)``).
     mode : str, optional
         A ``torch.compile`` mode with the same meaning: "reduce-overhead" captures CUDA graphs,
         "max-autotune" also tunes the model's own kernels. Modes that turn off Inductor's graph
@@ -295,13 +426,62 @@ def compile(model: torch.nn.Module, *, mode: str | None = None, dynamic: bool = 
 
     Returns
     -------
-    CompiledModel
-        Call it like the model; ``.tpfuse_backend`` holds the :class:`TpfuseBackend` (its
-        ``compiles`` and ``reports`` show what was compiled and fused).
+    CompiledModel or CompiledFunction
+        Stands in for what it was given: call it as that; a model's attributes and methods stay
+        reachable (``compiled.config``, ``compiled.generate(...)``, which runs the compiled model).
+        ``.tpfuse_backend`` holds the :class:`TpfuseBackend` (its ``compiles`` and ``reports`` show
+        what was compiled and fused).
     """
+    if not callable(model_or_fn):
+        raise TypeError(f"tpfuse.compile: expected a module, a function or a bound method, got "
+                        f"{type(model_or_fn).__name__}")
     backend = TpfuseBackend(inductor_options_for_mode(mode))
-    compiled = torch.compile(model, backend=backend, dynamic=dynamic, **torch_compile_kwargs)
-    return CompiledModel(compiled, backend)
+    if isinstance(model_or_fn, torch.nn.Module):
+        # The model's _call_impl (hooks and forward), as nn.Module.compile() does: the wrapper can then route
+        # the model's own calls of itself (generate's) through the compiled call without recursion.
+        compiled = torch.compile(model_or_fn._call_impl, backend=backend, dynamic=dynamic, **torch_compile_kwargs)
+        return CompiledModel(model_or_fn, compiled, backend)
+    compiled = torch.compile(model_or_fn, backend=backend, dynamic=dynamic, **torch_compile_kwargs)
+    return CompiledFunction(model_or_fn, compiled, backend)
+
+
+def compile_config(model: torch.nn.Module, *, mode: str | None = "reduce-overhead", fullgraph: bool = False,
+                   dynamic: bool | None = None):
+    """A ``transformers.CompileConfig`` for ``generate()``'s own decode compilation, fused by tpfuse.
+
+    ``model.generation_config.compile_config = tpfuse.compile_config(model)``, then
+    ``model.generate(ids, cache_implementation="static")``: where Hugging Face compiles (a static
+    cache on a GPU), it compiles ``model.__call__`` with :class:`TpfuseBackend` and every decode step
+    runs fused. Prefill stays uncompiled there, Hugging Face's choice: eager, unfused all-reduces.
+    With the default dynamic cache Hugging Face does not compile; :func:`compile` (the wrapper) does,
+    prefill included.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model it is for: refused (ValueError) when a module carries backward hooks, which break
+        dynamo's graph between an all-reduce and its norm where tpfuse cannot hide them.
+    mode, fullgraph : as ``CompileConfig`` has them (its default mode, "reduce-overhead").
+    dynamic : None or False
+        Hugging Face's default, None: decode shapes are static, and dynamo keeps a norm's float eps a
+        constant. ``dynamic=True`` would make eps a graph input (dynamo specialises floats only when
+        asked, and Hugging Face's call cannot ask): refused with a ValueError.
+    """
+    from transformers import CompileConfig
+
+    if dynamic:
+        raise ValueError("tpfuse.compile_config: dynamic=True makes a norm's float eps a graph input under "
+                         "Hugging Face's compile (torch._dynamo.config.specialize_float is off there), so no "
+                         "site would fuse; keep dynamic=None (decode shapes are static), or use tpfuse.compile(model)")
+    hooked = [name for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
+    if hooked:
+        raise ValueError(f"tpfuse.compile_config: {', '.join(hooked[:4])}{' ...' if len(hooked) > 4 else ''} "
+                         "carry backward hooks, at which dynamo breaks the graph between an all-reduce and its "
+                         "norm, and Hugging Face's compile cannot hide them; use tpfuse.compile(model), which does")
+    config = CompileConfig(fullgraph=fullgraph, dynamic=dynamic, backend=TpfuseBackend(), mode=mode)
+    # Hugging Face compiles only on GPUs unless this is set; CPU ranks (tests) need it.
+    config._compile_all_devices = not torch.cuda.is_available() or None
+    return config
 
 
 @dataclass
