@@ -61,6 +61,15 @@ def exchange(group: dist.ProcessGroup, device: torch.device, fields: dict[str, i
     return records
 
 
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup, timeout_s: float | None, what: str) -> list:
+    """Every rank's ``tensor``, in rank order (``dist.all_gather`` with the wait bounded as in
+    :func:`exchange`), for values that may differ between ranks."""
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    _bounded(lambda async_op: dist.all_gather(gathered, tensor, group=group, async_op=async_op), group,
+             timeout_s, what)
+    return gathered
+
+
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, timeout_s: float | None, what: str) -> None:
     """``dist.all_reduce`` (sum, in place) with the wait bounded as in :func:`exchange`."""
     _bounded(lambda async_op: dist.all_reduce(tensor, group=group, async_op=async_op), group, timeout_s, what)

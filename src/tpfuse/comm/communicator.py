@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse import select
-from tpfuse.comm import agreement
+from tpfuse.comm import agreement, topology
 from tpfuse.comm.backend import FusedBackend
 from tpfuse.kernels import kernels_usable
 from tpfuse.kernels.call import FusedCall
@@ -110,7 +110,8 @@ class Communicator:
         One of :data:`COMPRESSIONS`: ``"fp8"`` when the two-shot's calls travel on the fp8 wire.
     fused : FusedBackend or None
         Where fused calls run (:mod:`tpfuse.comm.backend`); None: every call takes the reference path
-        (the ``reference`` backend, one rank, or no GPU and no Triton interpreter).
+        (the ``reference`` backend, one rank, no GPU and no Triton interpreter, or ranks that cannot
+        map each other's memory: other hosts, GPUs without peer access, :mod:`tpfuse.comm.topology`).
     """
 
     def __init__(self, group: dist.ProcessGroup, max_tokens: int, hidden: int, backend: str,
@@ -133,6 +134,8 @@ class Communicator:
         self._plans: dict[tuple, CallPlan] = {}  # kept decisions (plan): cleared when the workspace changes
         self._plans_generation = select.tables_generation
         self._labels: dict[str, str] = {}  # stats label per algorithm
+        self._unreachable: str | None = None  # why the ranks cannot map each other's memory (topology)
+        self._topology_checked = False
         self._agree(max_tokens, hidden, "set-up")
         agreement.reset_numbers(self.group_name)
         self._allocate(max_tokens, hidden)
@@ -175,6 +178,11 @@ class Communicator:
     def _allocate_backend(self, max_tokens: int, hidden: int) -> None:
         if self.world_size < 2 or self.backend == "reference":
             return  # every call takes the reference path
+        if not self._topology_checked:  # once: a group's hosts and GPUs do not change
+            self._unreachable = topology.unreachable_peers(self.group, self.device, self.wait_timeout_s)
+            self._topology_checked = True
+        if self._unreachable is not None:
+            return  # ranks on other hosts, or GPUs without peer access: the reference path (logged once)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"tpfuse: cannot allocate the workspace of group {self.group_name!r} during CUDA "
