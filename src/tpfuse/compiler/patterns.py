@@ -44,6 +44,7 @@ from tpfuse.compiler.matchers import (
     WAIT,
     aten,
     bias_of,
+    fp8_of,
     is_add,
     is_call,
     is_scalar,
@@ -60,8 +61,8 @@ from tpfuse.compiler.matchers import (
     row_views,
 )
 from tpfuse.compiler.sizes import element_count, size_expr, static_int, token_count
-from tpfuse.kernels.epilogue import FP8_MAX
 from tpfuse.kernels.reference import dynamic_fp8
+from tpfuse.kernels.vendor import fp8_format
 
 
 def site_problem(reduce_op: str, hidden: int, dtype: torch.dtype) -> str | None:
@@ -279,7 +280,7 @@ class FusionPattern:
         if m.scale is not None and (meta_val(m.scale) is None or meta_val(m.scale).dtype != torch.float32
                                     or meta_val(m.scale).numel() != 1):
             return "the fp8 scale is not a float32 tensor of one element"
-        if meta_val(m.out).dtype != (torch.float8_e4m3fn if cls.quant else x.dtype):
+        if meta_val(m.out).dtype != (fp8_of(m.out).dtype if cls.quant else x.dtype):
             return "the norm's result dtype differs from the input's (e.g. an fp32 weight multiplied last)"
         allowed = set(m.internal) | {m.out, m.h} | ({m.scales} if m.scales is not None else set())
         for node in m.internal:
@@ -399,7 +400,8 @@ class FusionPattern:
         else:
             y = _example_rmsnorm(h, inputs["weight"], eps, gemma=cls.sum_norm)
         if cls.quant == "static":
-            y = (y.float() / inputs["scale"]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            fmt = fp8_format(y.device)  # the device's fp8, as the op gives it (vendor.fp8_format)
+            y = (y.float() / inputs["scale"]).clamp(-fmt.max, fmt.max).to(fmt.dtype)
         elif cls.quant == "dynamic":
             y, scales = dynamic_fp8(y, inputs["scale_group"])
             return y, scales, h
@@ -503,10 +505,11 @@ def _pattern_class(steps: dict) -> type[FusionPattern]:
     return type(name, (FusionPattern,), {**steps, "__doc__": doc, "__module__": __name__})
 
 
-# Longest first: a site that continues into more steps takes the larger pattern (a stable sort: equal
-# lengths keep the order of ``combinations``).
+# Longest first: a site that continues into more steps takes the larger pattern; of equal lengths, two
+# all-reduces first (else the sum of two, with no residual, would take the second as a residual and leave
+# its all-reduce apart); a stable sort: otherwise the order of ``combinations``.
 PATTERNS: list[type[FusionPattern]] = sorted((_pattern_class(s) for s in combinations()),
-                                             key=lambda pattern: -pattern.steps())
+                                             key=lambda pattern: (-pattern.steps(), -pattern.branches))
 globals().update({pattern.__name__: pattern for pattern in PATTERNS})  # patterns.AllReduceAddRMSNorm, ...
 
 
@@ -518,6 +521,9 @@ def unmatched_reason(all_reduce: Node) -> str:
     hidden = static_int(meta_val(wait).shape[-1]) if meta_val(wait) is not None and meta_val(wait).dim() else None
     if hidden is None:
         return "the hidden size (last dimension) is dynamic"
+    problem = site_problem(all_reduce.args[1], hidden, meta_val(wait).dtype)
+    if problem is not None:  # said first: an fp32 model's norm has no casts, so no norm is found either
+        return problem
     end = row_views(wait, hidden)[-1]
     if any(u.op == "output" for u in end.users):
         return ("the all-reduce's result leaves the compiled graph before its add and norm (a graph break "

@@ -1,0 +1,223 @@
+"""The fusion pass on post-grad graphs in one process (a fake process group, no ranks): every pattern's
+example fuses whole, as one op with no add, norm or quantisation left beside it, and the sites that
+must stay unfused say why. The numerics are the rank tests' (test_fusion_pass.py)."""
+
+import contextlib
+import operator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from tpfuse.compiler import PATTERNS, FusionPass
+from tpfuse.compiler.patterns import combinations, pattern_name
+from tpfuse.models.llama import HFRMSNorm
+
+HIDDEN, TOKENS = 64, 6
+FUSED_OPS = (torch.ops.tpfuse.allreduce_add_rmsnorm.default,
+             torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default)
+aten, prims = torch.ops.aten, torch.ops.prims
+# What the replacement may put before the fused op (the branches' sum, the number, the biases' sum) and
+# after it (the caller's shapes); anything else left in the graph is a step that did not fuse.
+VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, operator.getitem,
+         aten.sym_size.int}
+BEFORE = VIEWS | {aten.select.int, aten.add.Tensor, aten.mul.Tensor, aten.sum.dim_IntList,
+                  prims.convert_element_type.default}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_group():
+    """A world of 2 whose collectives only trace: what the pass needs to see, no processes."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+class _Stop(Exception):
+    """Raised by the capturing pass: the post-grad graph is all the test needs, not Inductor's code."""
+
+
+def post_grad_pass(module: nn.Module, *inputs, fusion_pass: FusionPass, dynamic: bool = False):
+    """Run ``fusion_pass`` on ``module``'s post-grad graph; return the graph after it."""
+    from torch._inductor.compile_fx import compile_fx
+
+    graphs = []
+
+    def capture(graph: torch.fx.Graph):
+        fusion_pass(graph)
+        graphs.append(graph)
+        raise _Stop
+
+    def backend(gm, example_inputs):
+        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": capture,
+                                                              "fx_graph_cache": False})
+
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=backend, dynamic=dynamic, fullgraph=True)
+    # eps a constant, as tpfuse.compile traces; the compile stops at _Stop, wrapped by dynamo.
+    with torch.no_grad(), torch._dynamo.config.patch(specialize_float=True), contextlib.suppress(Exception):
+        compiled(*inputs)
+    assert len(graphs) == 1, "the post-grad pass did not run (or ran twice)"
+    return graphs[0]
+
+
+def _inputs(pattern, index: int, x, x_other, residual, params) -> dict:
+    group = (64, 16)[index % 2]  # dynamic fp8: a scale per token or per group of 16, alternately
+    return {"x": x, "x_other": x_other, "residual": residual, "scale_group": group, **params}
+
+
+class AllExamples(nn.Module):
+    """Every pattern's example in one graph (one trace for all): site ``i`` reads ``x[i]``."""
+
+    def __init__(self, patterns):
+        super().__init__()
+        self.patterns = patterns
+
+        def row(centre):
+            return nn.Parameter(centre + 0.1 * torch.randn(HIDDEN).bfloat16())
+
+        self.weight, self.sum_weight, self.norm_bias = row(1.0), row(0.0), row(0.0)
+        self.bias, self.bias_other = row(0.0), row(0.0)
+        self.register_buffer("scale", torch.tensor([0.05]))
+        self.register_buffer("x_scale", torch.tensor(8.0).bfloat16())
+
+    def forward(self, x, x_other, residual):
+        params = {"weight": self.weight, "sum_weight": self.sum_weight, "norm_bias": self.norm_bias,
+                  "bias": self.bias, "bias_other": self.bias_other, "scale": self.scale,
+                  "x_scale": self.x_scale}
+        return [p.example(_inputs(p, i, x[i], x_other[i], residual, params), 1e-6)
+                for i, p in enumerate(self.patterns)]
+
+
+def _ancestors(nodes) -> set:
+    seen, todo = set(), list(nodes)
+    while todo:
+        node = todo.pop()
+        for arg in node.all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                todo.append(arg)
+    return seen
+
+
+def leftovers(graph: torch.fx.Graph) -> list[str]:
+    """Nodes beside the fused ops that compute a step: anything but views after them, and anything but
+    what the replacement folds into x (and the biases) before them."""
+    fused = [n for n in graph.nodes if n.op == "call_function" and n.target in FUSED_OPS]
+    before = _ancestors(fused)
+    left = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target in FUSED_OPS:
+            continue
+        allowed = BEFORE if node in before else VIEWS
+        if node.target not in allowed:
+            left.append(f"{node.name} = {node.target}")
+    return left
+
+
+def test_every_combination_of_steps_is_a_pattern_named_from_its_steps():
+    names = [p.__name__ for p in PATTERNS]
+    assert len(names) == len(set(names)) == len(combinations())
+    assert [p.steps() for p in PATTERNS] == sorted((p.steps() for p in PATTERNS), reverse=True)
+    # The names the README, the clients' tests and users' reports use stay what they were.
+    for name in ("AllReduceRMSNorm", "AllReduceAddRMSNorm", "AllReduceRMSNormQuant", "AllReduceAddRMSNormQuant",
+                 "AllReduceAddRMSNormDynamicQuant", "AllReduceRMSNormDynamicQuant", "AllReducePostNormAddRMSNorm",
+                 "AllReduceScaledRMSNorm", "AllReduceScaledAddRMSNorm", "AllReduceBiasAddRMSNorm",
+                 "AllReduceLayerNorm", "AllReduceAddLayerNorm", "AllReduceBiasAddLayerNorm",
+                 "TwoAllReducesBiasAddLayerNorm", "TwoAllReducesAddLayerNorm", "TwoAllReducesAddRMSNorm"):
+        assert name in names
+    steps = dict(scale=False, branches=1, bias=True, sum_norm=False, residual=True, layer_norm=False,
+                 quant="static")
+    assert pattern_name(steps) == "AllReduceBiasAddRMSNormQuant"
+
+
+def test_every_pattern_fuses_its_example_whole():
+    torch.manual_seed(0)
+    module = AllExamples(PATTERNS)
+    n = len(PATTERNS)
+    x = torch.randn(n, TOKENS, HIDDEN).bfloat16()
+    x_other = torch.randn(n, TOKENS, HIDDEN).bfloat16()
+    residual = torch.randn(TOKENS, HIDDEN).bfloat16()
+    fusion_pass = FusionPass(fusion_limit=16)
+    graph = post_grad_pass(module, x, x_other, residual, fusion_pass=fusion_pass)
+    [sites] = fusion_pass.reports
+    expected = [p.__name__ for p in PATTERNS for _ in range(p.branches)]
+    assert [s.pattern if s.fused else f"not fused: {s.reason}" for s in sites] == expected
+    fused = [n for n in graph.nodes if n.op == "call_function" and n.target in FUSED_OPS]
+    assert len(fused) == n
+    assert leftovers(graph) == []
+    # Each op does its own pattern's steps (site i reads x[i]), passed by keyword.
+    for node in fused:
+        [index] = {a.args[2] for a in _ancestors([node]) if a.op == "call_function" and a.target == aten.select.int}
+        pattern, steps = PATTERNS[index], node.kwargs
+        quant = ("dynamic" if node.target == FUSED_OPS[1] else
+                 "static" if steps.get("quant_scale") is not None else None)
+        does = (steps.get("bias") is not None, steps.get("sum_weight") is not None, node.args[1] is not None,
+                steps.get("layer_norm", False), steps.get("norm_bias") is not None, quant)
+        assert does == (pattern.bias, pattern.sum_norm, pattern.residual, pattern.layer_norm,
+                        pattern.layer_norm, pattern.quant), (pattern.__name__, steps)
+
+
+class Site(nn.Module):
+    """One block end in a form that must stay unfused (or, for ``plain``, fuses)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.norm = HFRMSNorm(HIDDEN, 1e-5)
+        self.register_buffer("scale", torch.tensor([0.02]))
+
+    def forward(self, x, residual):
+        op = "max" if self.kind == "max_all_reduce" else "sum"
+        a = funcol.all_reduce(x, op, dist.group.WORLD)
+        if self.kind == "op_between":  # no pattern has a tanh (a number times the sum would fuse)
+            a = torch.tanh(a)
+        h = residual + a
+        y = self.norm(h)
+        if self.kind == "sum_used_elsewhere":
+            return y, h, a * 3
+        return y, h
+
+
+NOT_FUSED = [  # kind, dtype, the pass's arguments, what the report says
+    ("plain", torch.bfloat16, {}, "fused (AllReduceAddRMSNorm)"),
+    ("op_between", torch.bfloat16, {}, "no norm follows the all-reduce as a pattern has it (RMSNorm or "
+                                       "LayerNorm, after a residual add, a bias or a post-norm: "
+                                       "tpfuse.compiler.PATTERNS); its result goes to tanh"),
+    ("max_all_reduce", torch.bfloat16, {}, "all-reduce op is 'max', not 'sum'"),
+    ("plain", torch.float32, {}, "64 x torch.float32 is not supported by the kernels"),
+    ("sum_used_elsewhere", torch.bfloat16, {}, "the pre-add sum of the pattern has users outside it"),
+    ("fp32_weight", torch.bfloat16, {}, "the norm's result dtype differs from the input's"),
+    ("plain", torch.bfloat16, {"fusion_limit": 4}, "token range up to 6 exceeds the fusion limit 4"),
+    ("plain", torch.bfloat16, {"fusion_limit": None}, "has no tpfuse communicator that can fuse 64 x "
+                                                      "torch.bfloat16 (call tpfuse.get_communicator"),
+]
+
+
+@pytest.mark.parametrize("kind,dtype,options,says", NOT_FUSED)
+def test_sites_that_must_stay_unfused_say_why(kind, dtype, options, says):
+    torch.manual_seed(0)
+    module = Site(kind).to(dtype)
+    module.scale = module.scale.float()
+    if kind == "fp32_weight":  # HF style with an fp32 gamma: the result becomes fp32, not x's dtype
+        module.norm.float()
+    fusion_pass = FusionPass(**{"fusion_limit": 16, **options})
+    x, residual = torch.randn(TOKENS, HIDDEN).to(dtype), torch.randn(TOKENS, HIDDEN).to(dtype)
+    post_grad_pass(module, x, residual, fusion_pass=fusion_pass)
+    [[site]] = fusion_pass.reports
+    assert says in str(site), str(site)
+
+
+def test_a_dynamic_token_count_fuses_only_with_a_bound():
+    x, residual = torch.randn(TOKENS, HIDDEN).bfloat16(), torch.randn(TOKENS, HIDDEN).bfloat16()
+    for max_tokens, says in ((16, "fused (AllReduceAddRMSNorm)"), (None, "is unbounded")):
+        fusion_pass = FusionPass(max_tokens=max_tokens, fusion_limit=16)
+        post_grad_pass(Site("plain").bfloat16(), x, residual, fusion_pass=fusion_pass, dynamic=True)
+        [[site]] = fusion_pass.reports
+        assert says in str(site) and "[s" in str(site), str(site)
