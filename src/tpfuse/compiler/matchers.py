@@ -14,7 +14,7 @@ import torch
 from torch.fx import Node
 
 from tpfuse.compiler.sizes import element_count, static_int
-from tpfuse.kernels.epilogue import FP8_MAX, MIN_DYNAMIC_SCALE
+from tpfuse.kernels.vendor import Fp8Format, fp8_format
 
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -36,6 +36,13 @@ def is_add(node: object) -> bool:
 
 def meta_val(node: Node):
     return node.meta.get("val")
+
+
+def fp8_of(node: Node) -> Fp8Format:
+    """The fp8 format of the device ``node``'s value is on (``vendor.fp8_format``): what the fused op
+    outputs there, so what a model's quantisation must convert to (float8_e4m3fnuz, +-240, on gfx942)."""
+    val = meta_val(node)
+    return fp8_format(val.device if isinstance(val, torch.Tensor) else None)
 
 
 def only_user(node: Node) -> Node | None:
@@ -207,24 +214,26 @@ def _layernorm_statistics(c: Node) -> list[_Statistics]:
 
 
 def match_static_fp8(y: Node, div: Node | None = None) -> tuple[Node, Node, list[Node]] | None:
-    """(out, scale, internal nodes) of ``clamp(y.float() / scale, -448, 448).to(fp8)``, or None.
+    """(out, scale, internal nodes) of ``clamp(y.float() / scale, -448, 448).to(fp8)``, or None; on a
+    device whose fp8 is float8_e4m3fnuz (gfx942), ``clamp(..., -240, 240).to(float8_e4m3fnuz)``.
     ``div``: the division to start from, when ``y`` has other users (dynamic fp8)."""
+    fmt = fp8_of(y)
     start = convert_to(y, torch.float32) if div is None else None
     start = start if start is not None and len(y.users) == 1 else y
     div = div if div is not None else only_user(start)
     if not is_call(div, aten.div.Tensor) or div.args[0] is not start or not isinstance(div.args[1], Node):
         return None
     nodes, cur = [div], only_user(div)
-    if is_call(cur, aten.clamp.default) and tuple(cur.args[1:3]) == (-FP8_MAX, FP8_MAX):
+    if is_call(cur, aten.clamp.default) and tuple(cur.args[1:3]) == (-fmt.max, fmt.max):
         nodes.append(cur)
     else:
         lo, hi = cur, only_user(cur) if isinstance(cur, Node) else None
-        if not (is_call(lo, aten.clamp_min.default) and lo.args[1] == -FP8_MAX
-                and is_call(hi, aten.clamp_max.default) and hi.args[1] == FP8_MAX):
+        if not (is_call(lo, aten.clamp_min.default) and lo.args[1] == -fmt.max
+                and is_call(hi, aten.clamp_max.default) and hi.args[1] == fmt.max):
             return None
         nodes += [lo, hi]
         cur = hi
-    out = convert_to(cur, torch.float8_e4m3fn) if len(cur.users) == 1 else None
+    out = convert_to(cur, fmt.dtype) if len(cur.users) == 1 else None
     if out is None:
         return None
     return out, div.args[1], ([start] if start is not y else []) + nodes
@@ -275,7 +284,9 @@ def match_branch(node: object, group_name: str, reduce_op: str, hidden: int, wit
 def match_dynamic_fp8(y: Node, hidden: int) -> tuple[Node, Node, int, list[Node]] | None:
     """(out, scales, elements per scale, internal nodes) of dynamic fp8 in ``kernels.reference.dynamic_fp8``'s
     form: ``g = y.float()`` (viewed as groups or not), ``s = clamp(amax(|g|, -1) / 448, min)``,
-    ``out = clamp(g / s, -448, 448).to(fp8)`` (viewed back), ``scales = s.squeeze(-1)``; or None."""
+    ``out = clamp(g / s, -448, 448).to(fp8)`` (viewed back), ``scales = s.squeeze(-1)``; or None. 240 and
+    float8_e4m3fnuz where that is the device's fp8 (gfx942)."""
+    fmt = fp8_of(y)
     start = convert_to(y, torch.float32) if len(y.users) == 1 else None
     if start is None:
         return None
@@ -291,10 +302,10 @@ def match_dynamic_fp8(y: Node, hidden: int) -> tuple[Node, Node, int, list[Node]
             and _last_dim(amax.args[1], grouped)):
         return None
     to_unit = only_user(amax)
-    if not (is_call(to_unit, aten.div.Tensor) and to_unit.args[1] == FP8_MAX):
+    if not (is_call(to_unit, aten.div.Tensor) and to_unit.args[1] == fmt.max):
         return None
     floor = only_user(to_unit)
-    if not (is_call(floor, aten.clamp_min.default, aten.clamp.default) and floor.args[1] == MIN_DYNAMIC_SCALE):
+    if not (is_call(floor, aten.clamp_min.default, aten.clamp.default) and floor.args[1] == fmt.min_dynamic_scale):
         return None
     nodes += [absolute[0], amax, to_unit, floor]
     divs = [u for u in users_of(floor, aten.div.Tensor) if u.args[:2] == (grouped, floor)]

@@ -10,6 +10,9 @@ For each row, in fp32, with every step but the sum optional::
     y = fp8(y / scale)                              # static: one scale for all
       | fp8(y / s_g), s_g = max(amax_g / 448, 1 / (448 * 512))    # dynamic: per token or per group
 
+fp8 is the device's (``vendor.fp8_format``): float8_e4m3fn, or float8_e4m3fnuz on gfx942 (MI300), where
+240 takes 448's place; the kernels take their compile target's (``vendor.fp8_max``).
+
 :class:`Epilogue` carries the optional tensors; ``kernels.reference`` is the same in torch, and the
 descriptor flags (``flags``) make every rank's kernel refuse a peer whose call does something else.
 """
@@ -26,12 +29,7 @@ import triton.language as tl
 
 from tpfuse.kernels import layout
 from tpfuse.kernels.fp8 import to_fp8_bits
-from tpfuse.kernels.vendor import E4M3FN, fp8_max
-
-# NVIDIA's (OCP e4m3fn) fp8 on the host; the kernels take their target's format (vendor.fp8_max).
-FP8_MAX = E4M3FN.max
-#: Smallest dynamic fp8 scale: a row (or group) of zeros quantises to zeros, never to NaN.
-MIN_DYNAMIC_SCALE = E4M3FN.min_dynamic_scale
+from tpfuse.kernels.vendor import fp8_max
 
 # How a call quantises y: the kernels' QUANT constexpr.
 QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
