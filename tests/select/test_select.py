@@ -102,3 +102,21 @@ def test_tune_derives_prefix_limits():
     assert (oneshot_max, fused_max) == (64, 1024)
     assert any("NCCL + norm wins from 4096" in r for r in reasons)
     assert any("two-shot wins from 512" in r for r in reasons)
+
+
+def test_rocm_defaults_are_smaller_than_nvidias_and_said_so(monkeypatch):
+    """No AMD hardware has measured a table: a ROCm GPU takes smaller limits than NVIDIA's defaults."""
+    for world in (2, 3, 4, 8, 16):
+        for hidden in (4096, 8192):
+            n = select.AlgorithmTable("x", world).token_limits(hidden)
+            r = select.AlgorithmTable("x", world, rocm=True).token_limits(hidden)
+            assert 0 < r[0] < n[0] and 0 < r[1] < n[1] and r[0] <= r[1], (world, hidden, n, r)
+    monkeypatch.setattr(torch.version, "hip", "6.4", raising=False)
+    monkeypatch.setattr(select, "device_slug", lambda device: "amd-instinct-mi300x")
+    select.reload_tables()
+    try:
+        table = select.algorithm_table(2, torch.device("cuda", 0))
+        assert table.rocm and "not measured on AMD hardware" in table.source
+        assert not select.algorithm_table(2, "cpu").rocm
+    finally:
+        select.reload_tables()

@@ -11,7 +11,8 @@ looked up, first found wins, in:
 2. ``$TPFUSE_TABLE_DIR`` or, when that is unset, ``~/.cache/tpfuse/tables`` (where
    ``python -m tpfuse tune`` writes);
 3. the tables shipped in ``tpfuse/select/tables`` (measured by us);
-4. conservative defaults (:data:`DEFAULT_ONESHOT_MAX_BYTES`, :data:`DEFAULT_FUSED_MAX_BYTES`).
+4. conservative defaults (:data:`DEFAULT_ONESHOT_MAX_BYTES`, :data:`DEFAULT_FUSED_MAX_BYTES`; on ROCm
+   the smaller :data:`ROCM_ONESHOT_MAX_BYTES`, :data:`ROCM_FUSED_MAX_BYTES`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ ELEMENT_BYTES = 2
 DEFAULT_ONESHOT_MAX_BYTES = {2: 1 << 20, 3: 512 << 10, 4: 512 << 10, 8: 256 << 10}
 DEFAULT_ONESHOT_MAX_BYTES_OTHER = 256 << 10
 DEFAULT_FUSED_MAX_BYTES = 8 << 20
+# ROCm (AMD Instinct, MI300X / MI355X): nothing has been measured on AMD hardware yet, so smaller limits
+# than NVIDIA's defaults (no H200 numbers): a pair of MI300X GPUs is joined by one xGMI link, a fraction
+# of NVLink's bandwidth, which favours the two-shot and the group's all-reduce sooner. ``tune`` replaces
+# them with measured ones.
+ROCM_ONESHOT_MAX_BYTES = {2: 512 << 10, 3: 256 << 10, 4: 256 << 10, 8: 128 << 10}
+ROCM_ONESHOT_MAX_BYTES_OTHER = 128 << 10
+ROCM_FUSED_MAX_BYTES = 2 << 20
 
 SHIPPED_TABLES = Path(__file__).parent / "tables"
 
@@ -56,22 +64,29 @@ class AlgorithmTable:
 
     ``limits[hidden] = (oneshot_max_tokens, fused_max_tokens)``: the one-shot serves calls of up to
     the first count, the two-shot those up to the second, the reference path the rest. A hidden size
-    the table lacks takes the nearest listed one's limits, scaled to the same bytes per rank.
+    the table lacks takes the nearest listed one's limits, scaled to the same bytes per rank. A table
+    without limits takes the defaults: NVIDIA's, or the smaller ROCm ones (``rocm``).
     """
 
     device: str
     world_size: int
     limits: dict[int, tuple[int, int]] = field(default_factory=dict)
     source: str = "defaults"
+    rocm: bool = False
 
     def token_limits(self, hidden: int) -> tuple[int, int]:
         """(oneshot_max_tokens, fused_max_tokens) for rows of ``hidden`` 16-bit elements."""
         if hidden in self.limits:
             return self.limits[hidden]
         if not self.limits:
-            oneshot = DEFAULT_ONESHOT_MAX_BYTES.get(self.world_size, DEFAULT_ONESHOT_MAX_BYTES_OTHER)
+            if self.rocm:
+                oneshot = ROCM_ONESHOT_MAX_BYTES.get(self.world_size, ROCM_ONESHOT_MAX_BYTES_OTHER)
+                fused = ROCM_FUSED_MAX_BYTES
+            else:
+                oneshot = DEFAULT_ONESHOT_MAX_BYTES.get(self.world_size, DEFAULT_ONESHOT_MAX_BYTES_OTHER)
+                fused = DEFAULT_FUSED_MAX_BYTES
             row = hidden * ELEMENT_BYTES
-            return oneshot // row, DEFAULT_FUSED_MAX_BYTES // row
+            return oneshot // row, fused // row
         nearest = min(self.limits, key=lambda h: abs(math.log(h / hidden)))
         return tuple(t * nearest // hidden for t in self.limits[nearest])
 
@@ -124,7 +139,8 @@ def table_filename(slug: str, world_size: int) -> str:
 
 
 @functools.cache
-def _load_table(slug: str, world_size: int, override: str | None, environment: tuple) -> AlgorithmTable:
+def _load_table(slug: str, world_size: int, override: str | None, environment: tuple,
+                rocm: bool = False) -> AlgorithmTable:
     # ``environment`` holds what user_table_dir() reads, so the cache notices when it changes.
     name = table_filename(slug, world_size)
     for path in ([Path(override)] if override else []) + [user_table_dir() / name, SHIPPED_TABLES / name]:
@@ -133,6 +149,9 @@ def _load_table(slug: str, world_size: int, override: str | None, environment: t
             if table.world_size != world_size:
                 raise ValueError(f"{path} is a table for {table.world_size} ranks, not {world_size}")
             return table
+    if rocm:
+        return AlgorithmTable(slug, world_size, source="ROCm defaults (not measured on AMD hardware; run "
+                              "python -m tpfuse tune)", rocm=True)
     return AlgorithmTable(slug, world_size)
 
 
@@ -142,7 +161,8 @@ def algorithm_table(world_size: int, device: torch.device | str | None = None) -
     Called for every fused call, so it only reads the environment; the search runs once per setting.
     """
     environment = (os.environ.get("TPFUSE_TABLE_DIR"), os.environ.get("HOME"))
-    return _load_table(device_slug(device), world_size, os.environ.get("TPFUSE_TUNE_TABLE"), environment)
+    rocm = torch.version.hip is not None and torch.device(device or "cpu").type == "cuda"
+    return _load_table(device_slug(device), world_size, os.environ.get("TPFUSE_TUNE_TABLE"), environment, rocm)
 
 
 #: Incremented by :func:`reload_tables`: communicators keep their per-call decisions until it changes.
