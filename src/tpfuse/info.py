@@ -21,6 +21,47 @@ def _version(module: str) -> str:
         return f"installed, import fails: {type(exc).__name__}"
 
 
+# Compiles the plain one-shot kernel (2 ranks, rows of 4096, bf16) for the architecture in argv[1], in a
+# process of its own: LLVM aborts the whole process on code it cannot lower.
+_COMPILE_ONE_SHOT = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tpfuse.kernels.oneshot import _oneshot_allreduce_add_rmsnorm_kernel as kernel
+arch = sys.argv[1]
+amd = arch.startswith("gfx")
+flags = dict(RANK=1, WORLD=2, BLOCK_H=4096, HAS_RESIDUAL=True, HAS_BIAS=False, SUM_NORM=False,
+             LAYER_NORM=False, HAS_NORM_BIAS=False, QUANT=0, SCALE_GROUP=0, USE_PDL=not amd,
+             DEADLINE_GIVEN=False, DESC_FLAGS=5, CLEAR_FIRST=True, RELAXED_ARRIVE=True, SPLIT_PUSH=False,
+             PUSH_CHUNKS=1, BLOCK_C=4096, X_FIRST=False)
+types = dict(peer_ptrs_ptr="*i64", state_ptr="*i32", scale_ptr="*fp32", scales_ptr="*fp32", eps="fp32",
+             wait_limit="i64")
+signature = {a: "constexpr" if a in flags else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
+             for a in kernel.arg_names}
+target = GPUTarget("hip", arch, 64) if amd else GPUTarget("cuda", int(arch[2:]), 32)
+triton.compile(ASTSource(kernel, signature, flags), target=target, options={"num_warps": 8 if amd else 16})
+"""
+
+
+def kernels_compile_for(arch: str) -> str:
+    """Whether the one-shot kernel compiles for ``arch`` (``sm90``, ``gfx942``) with this Triton: "yes", or
+    "no" and the compiler's last words."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _COMPILE_ONE_SHOT, arch], env=env, capture_output=True,
+                              text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "no: the compiler took over 300 s"
+    if done.returncode == 0:
+        return "yes"
+    last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    return f"no (exit status {done.returncode}): {last}"
+
+
 def algorithm_ranges(
     hidden: int, dtype: torch.dtype, world_size: int, workspace_bytes: int, device: torch.device | str | None
 ) -> list[tuple[int, int | None, str]]:
@@ -60,6 +101,16 @@ def run_info(hidden: int, world_size: int | None, max_tokens: int) -> int:
     else:
         print("GPUs: none (the kernels run on the CPU only under TRITON_INTERPRET=1, for tests)")
     device = torch.device("cuda", 0) if n_gpus else torch.device("cpu")
+    if n_gpus:
+        from tpfuse.kernels import vendor
+
+        target = vendor.target(device)
+        runtime = f"ROCm (HIP {torch.version.hip})" if vendor.on_rocm() else f"CUDA {torch.version.cuda}"
+        print(f"vendor: {target.vendor}, {runtime}, arch {target.arch}; fp8 outputs {target.fp8.name}; "
+              f"kernels compile here: {kernels_compile_for(target.arch)}")
+        if target.amd:
+            print("  ROCm: compiled and checked in CI (gfx942, gfx950), not yet run on AMD hardware by us: "
+                  "run scripts/gpu_check.sh, then python -m tpfuse tune (README, ROCm)")
     world = world_size or max(n_gpus, 2)
     print(f"backend: {os.environ.get('TPFUSE_BACKEND') or 'triton'} (TPFUSE_BACKEND)")
     table = select.algorithm_table(world, device)
