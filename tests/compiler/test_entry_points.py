@@ -95,6 +95,13 @@ def _save_llama(rank, world_size, path):
     dist.barrier()
 
 
+def _communicator():
+    """A communicator that waits out a peer still compiling: generate() compiles its decode graph between
+    fused calls, and one rank of a loaded CI machine can take longer than the default wait."""
+    tpfuse.destroy_all()
+    tpfuse.get_communicator(max_tokens=LIMIT, hidden=HIDDEN, wait_timeout_s=300)
+
+
 def _greedy(generate, ids, **kwargs):
     """generate()'s tokens and per-step logits (float), greedy."""
     out = generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
@@ -108,7 +115,7 @@ def _generate_paths(rank, world_size, path, paths):
 
     from tpfuse.demo import is_near_tie
 
-    tpfuse.get_communicator(max_tokens=LIMIT, hidden=HIDDEN)
+    _communicator()
     ids = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(1))
     results = {}
     for name in paths:
@@ -179,7 +186,7 @@ def _gpt_fast_decode(rank, world_size):
     from tpfuse.models import Transformer
 
     torch._dynamo.reset()
-    tpfuse.get_communicator(max_tokens=LIMIT, hidden=HIDDEN)
+    _communicator()
     model = Transformer.build("tiny", n_layers=2)
     compiled = tpfuse.compile(decode_one_token)
     prompt = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(2))

@@ -308,6 +308,8 @@ class CompiledModel:
     forward = __call__
 
     def __getattr__(self, name: str):
+        if name in self._own:  # not set yet (a copy being made): never look for it on the model
+            raise AttributeError(name)
         value = getattr(self._orig_mod, name)  # the model's own AttributeError when it has none
         if inspect.ismethod(value) and value.__self__ is self._orig_mod:
             return self._through_compiled(value)
