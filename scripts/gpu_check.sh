@@ -7,6 +7,8 @@
 # Usage (device tool, carry [".anchors"] for FlashInfer):
 #   bash scripts/gpu_check.sh [one-gpu|quick|tests|bench|variants|epilogues|baseline|e2e|hf|hf-pairs|soak-start|soak-wait]
 # Needs: 2+ GPUs, python3 with torch (>= 2.11) and triton; nothing is installed from a registry.
+# Runs on NVIDIA (CUDA torch) and AMD (ROCm torch: MI300X, MI355X) alike: on ROCm the topology comes
+# from rocm-smi and FlashInfer (NVIDIA only) leaves the providers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off on the machines we test on.
@@ -16,8 +18,15 @@ OUT=${OUT:-$PWD/results/gpu}
 MODE=${1:-full}
 mkdir -p "$OUT"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
-nvidia-smi topo -m 2>/dev/null | head -5
+ROCM=$(python3 -c "import torch; print(torch.version.hip or '')")
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count(), 'hip', torch.version.hip)"
+if [ -n "$ROCM" ]; then
+  rocm-smi --showtopo 2>/dev/null | head -20
+  FLASHINFER=""  # NVIDIA only
+else
+  nvidia-smi topo -m 2>/dev/null | head -5
+  FLASHINFER=",flashinfer"
+fi
 if [ -f .anchors/setup.sh ]; then bash .anchors/setup.sh .anchors 2>&1 | tail -1; fi
 python3 -m tpfuse info --hidden 8192 | tee "$OUT/info.log"
 
@@ -49,7 +58,7 @@ if [ "$MODE" = e2e ]; then e2e; exit $status; fi
 # saved once to /tmp/tpfuse-hf), plain torch.compile against tpfuse.compile, CUDA graphs. PROFILE=N
 # adds where each step's time goes (N profiled steps, by kernel family).
 HF_LAYERS=${HF_LAYERS:-32}
-HF_PROVIDERS=${HF_PROVIDERS:-unfused,tpfuse,flashinfer}
+HF_PROVIDERS=${HF_PROVIDERS:-unfused,tpfuse$FLASHINFER}
 hf_bench() {  # providers, output folder, rendezvous port
   mkdir -p "$2"
   timeout "${HF_TIMEOUT:-540}" torchrun --nproc_per_node=2 --master_port="$3" -m tpfuse bench e2e --client hf \
@@ -108,7 +117,7 @@ if [ "$MODE" = baseline ]; then
   for round in 1 2; do
     for tree in src .baseline/src; do
       PYTHONPATH=$PWD/$tree:/tmp/anchor-site timeout 150 torchrun --nproc_per_node=2 -m tpfuse bench kernel \
-        --hidden 4096,8192 --tokens 1,8,64 --providers tpfuse,flashinfer --out "$OUT/baseline-$round-${tree%%/*}" \
+        --hidden 4096,8192 --tokens 1,8,64 --providers tpfuse$FLASHINFER --out "$OUT/baseline-$round-${tree%%/*}" \
         > "$OUT/baseline.log" 2>&1 || status=1
       echo "== round $round: $tree"; grep -A8 "^hidden tokens" "$OUT/baseline.log"
     done
@@ -132,13 +141,13 @@ fi
 if [ "$MODE" = variants ]; then
   # One-shot launch variants (docs/kernel-notes.md) beside the default and FlashInfer, one process.
   timeout 300 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --tokens 1,8,16,32,64,96,128,256 \
-    --providers tpfuse:oneshot,tpfuse:no_split_push,tpfuse:split_push_4k,tpfuse:x_first,flashinfer \
+    --providers tpfuse:oneshot,tpfuse:no_split_push,tpfuse:split_push_4k,tpfuse:x_first$FLASHINFER \
     --out "$OUT" > "$OUT/variants.log" 2>&1 || status=1
   grep -A30 "^hidden tokens" "$OUT/variants.log"
   # Two-shot: rows scattered a group ahead (docs/kernel-notes.md, "Two-shot").
   timeout 200 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --hidden 4096,8192 \
     --tokens 512,1024,2048,4096,8192 --out "$OUT/twoshot" \
-    --providers tpfuse:twoshot,tpfuse:twoshot_w32,tpfuse:twoshot_fp8,tpfuse:twoshot_all_rows,tpfuse:twoshot_g2,tpfuse:twoshot_g8,flashinfer \
+    --providers tpfuse:twoshot,tpfuse:twoshot_w32,tpfuse:twoshot_fp8,tpfuse:twoshot_all_rows,tpfuse:twoshot_g2,tpfuse:twoshot_g8$FLASHINFER \
     > "$OUT/variants-twoshot.log" 2>&1 || status=1
   grep -A12 "^hidden tokens" "$OUT/variants-twoshot.log"
   exit $status
@@ -170,7 +179,7 @@ fi
 
 echo "== kernel benchmark (tpfuse as the op picks, each algorithm forced, NCCL, FlashInfer) =="
 timeout 300 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --tokens "$TOKENS" \
-  --providers tpfuse,tpfuse:oneshot,tpfuse:twoshot,nccl,flashinfer,floor,launch --out "$OUT" > "$OUT/bench.log" 2>&1 || status=1
+  --providers tpfuse,tpfuse:oneshot,tpfuse:twoshot,nccl$FLASHINFER,floor,launch --out "$OUT" > "$OUT/bench.log" 2>&1 || status=1
 grep -v "^hidden=" "$OUT/bench.log" | grep -v -i warn | tail -62
 if [ "$MODE" = bench ]; then exit $status; fi
 e2e

@@ -84,6 +84,8 @@ def test_fp8_wire_with_amd_choices(amd_pool, monkeypatch):
 
     monkeypatch.setenv("TPFUSE_INTERPRET_ARCH", "gfx942")
     world = amd_pool.world_size
+    if world == 2:
+        pytest.skip("3 ranks cover the wire's AMD path (CI time)")
     case = Case(9, 256, torch.bfloat16, residual=False, seed=7)
     results = amd_pool.run(_calls, [case], "fp8")
     assert all(res["stats"] == {"triton.twoshot": 1} for res in results), results[0]["stats"]
