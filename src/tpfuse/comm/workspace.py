@@ -45,10 +45,19 @@ def allocate_cuda(group: dist.ProcessGroup, region_elems: int, device: torch.dev
     import torch.distributed._symmetric_memory as symm_mem
 
     world = dist.get_world_size(group)
-    buf = symm_mem.empty(_buffer_elems(region_elems, world), dtype=torch.int16, device=device)
-    buf.fill_(SENTINEL)
-    enable_symm_mem(group.group_name)
-    handle = symm_mem.rendezvous(buf, group.group_name)
+    try:
+        buf = symm_mem.empty(_buffer_elems(region_elems, world), dtype=torch.int16, device=device)
+        buf.fill_(SENTINEL)
+        enable_symm_mem(group.group_name)
+        handle = symm_mem.rendezvous(buf, group.group_name)
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        # The same torch on every rank fails the same way: every rank raises this, none waits.
+        platform = f"ROCm (HIP {torch.version.hip})" if torch.version.hip else f"CUDA {torch.version.cuda}"
+        raise RuntimeError(
+            f"tpfuse: torch {torch.__version__} on {platform} cannot give group {group.group_name!r} a "
+            f"symmetric-memory workspace ({type(exc).__name__}: {exc}); the fused kernels need it. Take the "
+            "reference path (the group's own all-reduce): get_communicator(backend='reference') or "
+            "TPFUSE_BACKEND=reference") from exc
     # The kernels move rows 16 bytes an access and tell the compiler these buffers allow it.
     if any(ptr % 16 for ptr in handle.buffer_ptrs):
         raise RuntimeError(f"tpfuse: a peer's workspace buffer is not 16-byte aligned: {handle.buffer_ptrs}")
