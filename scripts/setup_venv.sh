@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (once) with torch, triton and tpfuse installed editable. Used by demo.sh and test.sh.
-# `setup_venv.sh newest-transformers` also installs the newest transformers CI tests against, as an
+# `setup_venv.sh newest-transformers` also installs the newest transformers release (5.24.0), as an
 # overlay of .venv (.venv/transformers-newest: put it first on PYTHONPATH to use it), e.g.
-#   PYTHONPATH=$PWD/.venv/transformers-newest bash scripts/test.sh tests/compiler/test_clients.py -k Llama
+#   PYTHONPATH=$PWD/.venv/transformers-newest bash scripts/test.sh -k "test_clients and Llama"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import tpfuse, torch, triton, pytest, transformers, accelerate" 2>/dev/null; then
