@@ -65,14 +65,18 @@ def _tiny_hf_e2e(rank, world_size, path):
         save_hf_llama(path, 1, torch.device("cpu"), tiny)  # its MLP's all-reduce feeds the final norm
     dist.barrier()
     return hf_e2e_rank(rank, world_size, path, [2], 6, ["unfused", "tpfuse"], device=torch.device("cpu"),
-                       iters=1, mode=None)
+                       iters=1, mode=None, generate_new_tokens=3)
 
 
 @pytest.mark.extended
 def test_hf_e2e_bench_runs_fuses_and_matches(rank_pool, tmp_path):
     rows = rank_pool(2).run(_tiny_hf_e2e, str(tmp_path / "hf"), timeout=900)[0]
-    assert [r["workload"] for r in rows] == ["decode b2", "prefill 6"]
-    for row in rows:
+    assert [r["workload"] for r in rows] == ["decode b2", "prefill 6", "generate b2"]
+    for row in rows[:2]:
         assert row["unfused_fused_calls"] == 0
         assert row["tpfuse_fused_calls"] == 2  # 1 layer, 2 sites
         assert row["tpfuse_logit_diff"] < 0.05 and row["tpfuse_argmax_agree"] == 1.0
+    generate = rows[2]  # 3 new tokens: an eager prefill, then 2 compiled decode steps of 2 sites each
+    assert generate["unfused_fused_calls"] == 0 and generate["tpfuse_fused_calls"] == 4, generate
+    assert generate["tpfuse_tokens_agree"] == 1.0, generate
+    assert generate["unfused_tokens_per_s"] > 0 and generate["tpfuse_tokens_per_s"] > 0

@@ -263,6 +263,10 @@ def e2e_rank(
                           profile_steps)
 
 
+#: The generate() workload: prompt tokens per sequence and new tokens generated per call.
+GENERATE_PROMPT, GENERATE_NEW_TOKENS = 128, 64
+
+
 #: Decode calls one workload of the HF client may make (warm-up and timed): positions its cache keeps free.
 DECODE_HEADROOM = 256
 #: llama-3-8b as a Hugging Face config (the layer count is the benchmark's).
@@ -301,8 +305,13 @@ def hf_e2e_rank(
     iters: int = 20,
     mode: str = "reduce-overhead",
     profile_steps: int = 0,
+    generate_new_tokens: int = GENERATE_NEW_TOKENS,
 ) -> list[dict]:
     """Time every provider on the Hugging Face Llama saved at ``path``, loaded with ``tp_plan="auto"``.
+
+    Then, per batch size, ``generate()`` as users call it (:func:`time_generate`: tokens per second
+    over a static cache, prompts of ``min(GENERATE_PROMPT, prefill)`` tokens, ``generate_new_tokens``
+    new tokens a call).
 
     A decode step is HF's forward of one token per sequence at position ``prefill`` over a
     :class:`transformers.StaticCache` of ``prefill + DECODE_HEADROOM`` positions (one cache per batch
@@ -348,13 +357,78 @@ def hf_e2e_rank(
     workloads.append(Workload(f"prefill {prefill}", prefill,
                               lambda fn: fn(input_ids=prompt, use_cache=False, logits_to_keep=1).logits,
                               lambda: None))
-    return time_providers(rank, model, config.hidden_size, prefill, workloads, providers, device, iters, mode,
+    rows = time_providers(rank, model, config.hidden_size, prefill, workloads, providers, device, iters, mode,
                           profile_steps)
+    generate_iters = max(1, iters // 10)  # a call is new_tokens forwards and a prefill
+    return rows + [time_generate(rank, model, b, providers, device, generate_iters, mode,
+                                 prompt=min(GENERATE_PROMPT, prefill), new_tokens=generate_new_tokens)
+                   for b in batches]
+
+
+def time_generate(rank: int, model, batch: int, providers: list[str], device: torch.device, iters: int,
+                  mode: str | None, prompt: int = GENERATE_PROMPT, new_tokens: int = GENERATE_NEW_TOKENS) -> dict:
+    """Hugging Face ``generate()`` as users call it, greedy over a static cache: one row.
+
+    ``unfused`` is generate()'s own compilation with Inductor (``CompileConfig(mode=mode)``), the
+    other providers the same with :func:`tpfuse.compile_config` (decode steps compiled and fused;
+    prefill eager in both, Hugging Face's choice). Per provider: ``{p}_ms`` per generate() call,
+    ``{p}_tokens_per_s`` (new tokens of every sequence), ``{p}_fused_calls`` in one call and
+    ``{p}_tokens_agree`` (the fraction of generated tokens equal to unfused's).
+    """
+    import tpfuse
+    from transformers import CompileConfig
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(3))
+    ids = ids.to(device)
+    row: dict = {"workload": f"generate b{batch}", "tokens": batch * new_tokens}
+    reference = None
+
+    def generate():
+        return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              cache_implementation="static")
+
+    for provider in providers:
+        torch._dynamo.reset()
+        tpfuse.destroy_all()
+        if provider == "unfused":
+            config = CompileConfig(mode=mode)
+            config._compile_all_devices = device.type != "cuda" or None  # the CPU ranks of the tests
+        else:
+            try:
+                tpfuse.get_communicator(max_tokens=batch, hidden=model.config.hidden_size,
+                                        backend="triton" if provider == "tpfuse" else "flashinfer")
+            except (ImportError, ValueError) as exc:  # FlashInfer missing, or no CUDA for it
+                if rank == 0:
+                    print(f"\n{provider}: {exc}; skipping it")
+                continue
+            config = tpfuse.compile_config(model, mode=mode)
+        model.generation_config.compile_config = config
+        if rank == 0:
+            progress(0, 1, f"e2e: {provider}, generate b{batch}")
+        with torch.no_grad():
+            generate()  # compiles
+            tpfuse.reset_stats()
+            tokens = generate()[:, prompt:]
+            row[f"{provider}_fused_calls"] = fused_calls()
+            row[f"{provider}_ms"] = _ms_per_call(generate, device, iters)
+        row[f"{provider}_tokens_per_s"] = batch * new_tokens / row[f"{provider}_ms"] * 1000
+        if provider == "unfused":
+            reference = tokens
+        elif reference is not None:
+            row[f"{provider}_tokens_agree"] = (tokens == reference).float().mean().item()
+            row[f"{provider}_speedup_%"] = 100 * (row["unfused_ms"] / row[f"{provider}_ms"] - 1)
+        if rank == 0:
+            print(f"\n{provider:>10} generate b{batch}: {row[f'{provider}_tokens_per_s']:.1f} tokens/s, "
+                  f"{row[f'{provider}_fused_calls']} fused calls", flush=True)
+    model.generation_config.compile_config = None
+    torch._dynamo.reset()
+    tpfuse.destroy_all()
+    return row
 
 
 def write_outputs(rows: list[dict], title: str, out_dir: str) -> None:
     keys = write_csv(rows, out_dir, "e2e.csv")
-    cols = [k for k in keys if k.endswith(("_ms", "_speedup_%", "_fused_calls", "_logit_diff"))
+    cols = [k for k in keys if k.endswith(("_ms", "_speedup_%", "_fused_calls", "_logit_diff", "_tokens_per_s"))
             and "_gpu_" not in k]
     print(f"\n{title}")
     print(f"{'workload':>14} " + " ".join(f"{k:>20}" for k in cols))
@@ -411,7 +485,8 @@ def describe(client: str, preset: str, layers: int | None, world_size: int,
     args = PRESETS[preset]
     model = f"{preset} ({layers or args.n_layers} layers, hidden {args.dim}, bf16)"
     if client == "hf":
-        model = f"Hugging Face LlamaForCausalLM, tp_plan='auto', StaticCache, {model}"
+        model = (f"Hugging Face LlamaForCausalLM, tp_plan='auto', StaticCache, {model}; generate(): "
+                 f"{GENERATE_PROMPT}-token prompts, {GENERATE_NEW_TOKENS} new tokens")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU process"
     return (f"{model}, {world_size} x {device}, torch.compile mode {mode}, "
             "decode steps and prefill, ms per call")
