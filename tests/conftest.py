@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tpfuse.testing import RankPool
+from tpfuse.testing.ranks import RankPool
 
 _pools: dict[tuple[int, str], RankPool] = {}
 

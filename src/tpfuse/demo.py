@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from tpfuse.testing import RankPool, fused_calls, rank_device
+from tpfuse.testing import fused_calls
+from tpfuse.testing.ranks import RankPool, rank_device
 from tpfuse.testing.cases import Case, check_results
 
 DEMO_CASES = [

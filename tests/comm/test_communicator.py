@@ -12,7 +12,7 @@ import torch.distributed as dist
 import tpfuse
 from tpfuse.comm import workspace as ws
 from tpfuse.comm.communicator import lookup_communicator
-from tpfuse.testing import rank_backends
+from tpfuse.testing.ranks import rank_backends
 from tpfuse.testing.cases import Case, check_results
 
 BACKENDS = rank_backends()
@@ -201,7 +201,7 @@ def test_workspaces_captured_graphs_may_use_are_kept(rank_pool):
 def _graph_outlives_workspace(rank, world_size):
     """On GPUs: a graph captured with a fused call, replayed after a growth and after a destroy, computes
     right and leaves a tensor allocated after those (a canary) as it was."""
-    from tpfuse.testing import rank_device
+    from tpfuse.testing.ranks import rank_device
 
     device = rank_device("nccl", rank)
     case = Case(3, 256)

@@ -11,7 +11,8 @@ from torch import nn
 import tpfuse
 from tpfuse.models import Transformer
 from tpfuse.models.llama import HFRMSNorm
-from tpfuse.testing import fused_calls, rank_backends, rank_device
+from tpfuse.testing import fused_calls
+from tpfuse.testing.ranks import rank_backends, rank_device
 
 BACKENDS = rank_backends()
 

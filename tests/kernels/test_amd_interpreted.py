@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import tpfuse
-from tpfuse.testing import RankPool, forced_table
+from tpfuse.testing import forced_table
+from tpfuse.testing.ranks import RankPool
 from tpfuse.testing.cases import Case, check_results
 
 pytestmark = pytest.mark.slow  # starts rank processes

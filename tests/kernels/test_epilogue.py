@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import tpfuse
-from tpfuse.testing import forced_table, rank_backends, rank_device
+from tpfuse.testing import forced_table
+from tpfuse.testing.ranks import rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
 
 BACKENDS = rank_backends()

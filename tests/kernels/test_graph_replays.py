@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tpfuse
-from tpfuse.testing import rank_backends
+from tpfuse.testing.ranks import rank_backends
 from tpfuse.testing.cases import Case, check_results
 
 BACKENDS = rank_backends()

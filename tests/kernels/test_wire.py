@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
-from tpfuse.testing import forced_table, rank_backends, rank_device
+from tpfuse.testing import forced_table
+from tpfuse.testing.ranks import rank_backends, rank_device
 from tpfuse.testing.cases import Case
 
 BACKENDS = rank_backends()

@@ -7,7 +7,8 @@ import torch
 import tpfuse
 from tpfuse.models import Transformer
 from tpfuse.models.llama import PRESETS
-from tpfuse.testing import fused_calls, rank_device
+from tpfuse.testing import fused_calls
+from tpfuse.testing.ranks import rank_device
 
 
 def _prefill_then_decode(fn, tokens, device):

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
-from tpfuse.testing import rank_backends, rank_device
+from tpfuse.testing.ranks import rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
 
 BACKENDS = rank_backends()

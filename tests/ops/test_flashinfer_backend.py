@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
-from tpfuse.testing import rank_device
+from tpfuse.testing.ranks import rank_device
 from tpfuse.testing.cases import Case, check_results
 
 

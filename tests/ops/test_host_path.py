@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
-from tpfuse.testing import rank_backends, rank_device
+from tpfuse.testing.ranks import rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
 
 needs_kernels = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
@@ -28,9 +28,9 @@ WORLD_ONE_CASES = [
 @pytest.fixture
 def one_rank_group():
     """The default group, of this process alone (gloo): world size 1, no rank processes."""
-    from tpfuse.testing import _free_port
+    from tpfuse.testing.ranks import free_port
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield

@@ -15,7 +15,8 @@ import tpfuse
 from tpfuse.comm import workspace as ws
 from tpfuse.select import AlgorithmTable, reload_tables
 from tpfuse.kernels.reference import add_rmsnorm_reference
-from tpfuse.testing import forced_table, fused_calls, rank_backends, rank_device
+from tpfuse.testing import forced_table, fused_calls
+from tpfuse.testing.ranks import rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
 
 BACKENDS = rank_backends()

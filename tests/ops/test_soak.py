@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
-from tpfuse.testing import rank_backends
+from tpfuse.testing.ranks import rank_backends
 
 BACKENDS = rank_backends()
 

@@ -18,6 +18,7 @@ with the unfused model's. ``--profile STEPS`` adds where each step's time goes, 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -172,42 +173,10 @@ def time_providers(rank: int, model, hidden: int, max_tokens: int, workloads: li
                 print(f"\n{provider}: {exc}; skipping it")
             done += len(workloads)
             continue
-        for w in workloads:
-            name = w.name
-            if rank == 0:
-                progress(done, total, f"e2e: {provider}, {name}")
-            with torch.no_grad():
-                w.reset()
-                tpfuse.reset_stats()
-                logits = w.step(fn).float().clone()
-                fused = fused_calls()
-                rows[name][f"{provider}_ms"] = _ms_per_call(lambda: w.step(fn), device, iters)
-                if profile_steps:
-                    profile = profile_step(lambda: w.step(fn), device, profile_steps)
-                    rows[name][f"{provider}_gpu_busy_ms"] = profile.busy_ms
-                    for family, ms in profile.families().items():
-                        rows[name][f"{provider}_gpu_{family}_ms"] = ms
-                    if rank == 0:
-                        print(f"\n{provider} {name}: profiled step {profile.step_ms:.3f} ms, kernels "
-                              f"{profile.busy_ms:.3f} ms; the largest:")
-                        for kernel, ms in profile.kernels.most_common(8):
-                            print(f"  {ms * 1000:9.1f} us  [{kernel_family(kernel)}] {kernel[:100]}")
-            rows[name][f"{provider}_fused_calls"] = fused
-            if rank == 0:
-                print(
-                    f"\n{provider:>10} {name:>14}: {rows[name][f'{provider}_ms']:.3f} ms, "
-                    f"{fused} fused calls",
-                    flush=True,
-                )
-            if provider == "unfused":
-                reference[name] = logits
-            elif name in reference:
-                ref = reference[name]
-                rows[name][f"{provider}_logit_diff"] = ((logits - ref).abs().max() / ref.abs().max()).item()
-                rows[name][f"{provider}_argmax_agree"] = (
-                    (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
-                )
-            done += 1
+        torch._dynamo.reset()  # each provider compiles from nothing: its first calls time the compile
+        with _fresh_compile_caches():
+            done = _time_workloads(rank, provider, fn, workloads, rows, reference, device, iters, profile_steps,
+                                   done, total)
     if rank == 0:
         progress(total, total, "e2e: done")
     torch._dynamo.reset()
@@ -218,6 +187,78 @@ def time_providers(rank: int, model, hidden: int, max_tokens: int, workloads: li
             if f"{provider}_ms" in row and "unfused_ms" in row:
                 row[f"{provider}_speedup_%"] = 100 * (row["unfused_ms"] / row[f"{provider}_ms"] - 1)
     return out
+
+
+@contextlib.contextmanager
+def _fresh_compile_caches():
+    """Inductor's and Triton's caches in a new, empty folder: compile times as a first run has them."""
+    import tempfile
+
+    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    saved = {name: os.environ.get(name) for name in names}
+    with tempfile.TemporaryDirectory(prefix="tpfuse-e2e-cache-") as folder:
+        os.environ.update({name: os.path.join(folder, name.lower()) for name in names})
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def _time_workloads(rank, provider, fn, workloads, rows, reference, device, iters, profile_steps, done, total):
+    """Run and time every workload with one provider's compiled model; returns the workloads done.
+
+    ``{provider}_first_call_s`` is the first call's wall time: with fresh caches, the compile it triggers
+    (the first workload compiles the graphs, later ones any new shapes) and one step.
+    """
+    import tpfuse
+
+    for w in workloads:
+        name = w.name
+        if rank == 0:
+            progress(done, total, f"e2e: {provider}, {name}")
+        with torch.no_grad():
+            w.reset()
+            tpfuse.reset_stats()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            logits = w.step(fn).float().clone()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            rows[name][f"{provider}_first_call_s"] = time.perf_counter() - started
+            fused = fused_calls()
+            rows[name][f"{provider}_ms"] = _ms_per_call(lambda: w.step(fn), device, iters)
+            if profile_steps:
+                profile = profile_step(lambda: w.step(fn), device, profile_steps)
+                rows[name][f"{provider}_gpu_busy_ms"] = profile.busy_ms
+                for family, ms in profile.families().items():
+                    rows[name][f"{provider}_gpu_{family}_ms"] = ms
+                if rank == 0:
+                    print(f"\n{provider} {name}: profiled step {profile.step_ms:.3f} ms, kernels "
+                          f"{profile.busy_ms:.3f} ms; the largest:")
+                    for kernel, ms in profile.kernels.most_common(8):
+                        print(f"  {ms * 1000:9.1f} us  [{kernel_family(kernel)}] {kernel[:100]}")
+        rows[name][f"{provider}_fused_calls"] = fused
+        if rank == 0:
+            print(
+                f"\n{provider:>10} {name:>14}: {rows[name][f'{provider}_ms']:.3f} ms, "
+                f"{fused} fused calls, first call {rows[name][f'{provider}_first_call_s']:.1f} s",
+                flush=True,
+            )
+        if provider == "unfused":
+            reference[name] = logits
+        elif name in reference:
+            ref = reference[name]
+            rows[name][f"{provider}_logit_diff"] = ((logits - ref).abs().max() / ref.abs().max()).item()
+            rows[name][f"{provider}_argmax_agree"] = (
+                (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+            )
+        done += 1
+    return done
 
 
 def _fill_caches(model, device: torch.device) -> None:
@@ -428,7 +469,8 @@ def time_generate(rank: int, model, batch: int, providers: list[str], device: to
 
 def write_outputs(rows: list[dict], title: str, out_dir: str) -> None:
     keys = write_csv(rows, out_dir, "e2e.csv")
-    cols = [k for k in keys if k.endswith(("_ms", "_speedup_%", "_fused_calls", "_logit_diff", "_tokens_per_s"))
+    cols = [k for k in keys if k.endswith(("_ms", "_speedup_%", "_fused_calls", "_logit_diff", "_tokens_per_s",
+                                           "_first_call_s"))
             and "_gpu_" not in k]
     print(f"\n{title}")
     print(f"{'workload':>14} " + " ".join(f"{k:>20}" for k in cols))
