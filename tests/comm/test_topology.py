@@ -12,7 +12,8 @@ from tpfuse.testing.cases import Case, check_results
 def _on_hosts(rank, world_size, hosts):
     from tpfuse.comm import topology
 
-    topology.host_name = lambda: hosts[rank]  # what this rank reports; the ranks run on one machine
+    # What this rank reports (the ranks run on one machine); put back after, for the pool's later tests.
+    own_host_name, topology.host_name = topology.host_name, lambda: hosts[rank]
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -29,6 +30,7 @@ def _on_hosts(rank, world_size, hosts):
         comm.destroy()
         return result
     finally:
+        topology.host_name = own_host_name
         logging.getLogger("tpfuse.comm.topology").removeHandler(handler)
 
 
