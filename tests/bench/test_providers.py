@@ -31,6 +31,7 @@ def _errors(rank, world_size, tokens, hidden):
     return errors
 
 
+@pytest.mark.extended  # a bench harness: CI leaves it to scripts/gpu_check.sh tests
 @pytest.mark.parametrize("tokens", [3, 6])  # fewer tokens than the CPU's 4 programs, and more
 def test_every_provider_computes_each_epilogue(rank_pool, tokens):
     for errors in rank_pool(2).run(_errors, tokens, 256):

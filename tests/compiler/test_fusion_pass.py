@@ -48,9 +48,9 @@ def _llama(rank, world_size, backend, norm_style, all_reduce_style, mode=None):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-# The gpt-fast and torch norm styles are also the real clients' (test_clients.py): extended lane in CI.
+# Every style is also a real client's (test_clients.py: HF Llama in CI, gpt-fast's hooks): extended lane.
 @pytest.mark.parametrize("norm_style,all_reduce_style",
-                         [("hf", "functional"),
+                         [pytest.param("hf", "functional", marks=pytest.mark.extended),
                           pytest.param("gptfast", "inplace", marks=pytest.mark.extended),
                           pytest.param("torch", "functional", marks=pytest.mark.extended)])
 def test_every_site_of_a_tp_llama_is_fused_below_the_limit(rank_pool, backend, norm_style, all_reduce_style):
@@ -130,7 +130,8 @@ def _fused_on_a_fresh_cache(rank, world_size, backend, comm_backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("comm_backend", ["triton", "flashinfer", "reference"])
+# triton: extended in CI (its 10 minutes); the other sites fused in CI are triton's
+@pytest.mark.parametrize("comm_backend", [pytest.param("triton", marks=pytest.mark.extended), "flashinfer", "reference"])
 def test_each_communicator_backend_fuses_on_an_empty_cache(rank_pool, backend, comm_backend):
     if comm_backend == "flashinfer":
         from tpfuse.comm.flashinfer import load_flashinfer

@@ -34,7 +34,7 @@ def _sequence(rank, world_size, backend, cases, check_clear):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2] + [pytest.param(n, marks=pytest.mark.extended) for n in (3, 4)])
 def test_changing_shapes_rotate_and_clear_slots(rank_pool, backend, world_size):
     cases = [Case(t, h, torch.bfloat16 if i % 2 else torch.float16, residual=i % 3 != 0, seed=i,
                   cancelling=i % 3 == 1)
@@ -128,6 +128,7 @@ def _variants(rank, world_size, backend, case, names):
     return out
 
 
+@pytest.mark.extended  # the bench's launch variants (a harness): CI leaves it to scripts/gpu_check.sh tests
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tokens, hidden", [(20, 8192), (1, 7168), (2, 4096)])
 def test_benchmark_launch_variants_compute_the_same_op(rank_pool, backend, tokens, hidden):

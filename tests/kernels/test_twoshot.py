@@ -36,8 +36,7 @@ SEQUENCE = [(5, 4096), (1, 512), (17, 4096), (3, 512), (2, 2880), (16, 8), (40, 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("oneshot_max", [0, 4])
+@pytest.mark.parametrize("oneshot_max, world_size", [(0, 2), (4, 3)] + [pytest.param(*p, marks=pytest.mark.extended) for p in ((4, 2), (0, 3))])
 def test_twoshot_sequences(rank_pool, backend, world_size, oneshot_max):
     cases = [
         Case(
@@ -76,7 +75,7 @@ def _wide(rank, world_size, cases):
     return {"outputs": out, "chosen": chosen}
 
 
-@pytest.mark.parametrize("world_size", [4, 8])
+@pytest.mark.parametrize("world_size", [4, pytest.param(8, marks=pytest.mark.extended)])
 def test_both_kernels_at_four_and_eight_ranks(rank_pool, world_size):
     # Fewer tokens than ranks, one-shot sizes, two-shot sizes not divisible by the world size.
     cases = [

@@ -2,6 +2,7 @@
 
 import re
 
+import pytest
 import torch
 
 import tpfuse
@@ -41,6 +42,7 @@ def _decode(rank, world_size):
     return out
 
 
+@pytest.mark.extended  # CI time: the demo compiles and decodes this model fused on 2 CPU ranks
 def test_kv_cache_decode_matches_full_pass_and_compiles_fused(rank_pool):
     for out in rank_pool(2).run(_decode):
         assert out["cache vs full pass (fp32)"] < 1e-4, out
@@ -63,6 +65,7 @@ def _decode_step_code(rank, world_size, max_seq):
     return "\n".join(code)
 
 
+@pytest.mark.extended
 def test_decode_step_writes_the_cache_in_place(rank_pool):
     # A step writes its new keys and values, batch x heads x 16 words a cache, and copies nothing of
     # the cache: no generated loop runs over a sequence's whole cache (kv heads x max_seq x head dim,

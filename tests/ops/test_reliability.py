@@ -302,6 +302,7 @@ def _many_communicators(rank, world_size, backend):
     return report
 
 
+@pytest.mark.extended  # CI time (32 s); the lifecycle test covers one communicator's release
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hundred_communicators_leave_nothing_behind(rank_pool, backend):
     for report in rank_pool(2, backend).run(_many_communicators, backend, timeout=900):
