@@ -53,7 +53,11 @@ def check_inputs(
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
 ) -> None:
-    """Raise ``ValueError``/``TypeError`` naming the first problem with the op's arguments."""
+    """Raise ``ValueError``/``TypeError`` naming the first problem with the op's arguments.
+
+    Every eager call pays for these checks (a few microseconds of host): the common call (no block-end
+    step, no preallocated outputs) reads each tensor's properties once and nothing else.
+    """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a tensor, got {type(x).__name__}")
     if x.dtype not in INPUT_DTYPES:
@@ -62,71 +66,79 @@ def check_inputs(
         raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
-    shape = x.shape
     device = x.device
-
-    def same_place(t: torch.Tensor, name: str) -> None:
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but x is on {device}")
-
-    gains = (("weight", weight), ("bias", steps.bias), ("sum_weight", steps.sum_weight),
-             ("norm_bias", steps.norm_bias))
-    for name, t in (("residual", residual), ("quant_scale", steps.quant_scale), ("out", out),
-                    ("residual_out", residual_out)) + gains:
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor{'' if name == 'weight' else ' or None'}, "
-                            f"got {type(t).__name__}")
+    if residual is not None:
+        _check_like_x("residual", residual, x, device, x.dtype)
     if weight is None:
         raise TypeError("weight must be a tensor (the RMSNorm gain), got None")
-    if residual is not None:
-        if residual.dtype != x.dtype:
-            raise TypeError(f"residual has dtype {residual.dtype} but x has {x.dtype}")
-        if residual.shape != shape:
-            raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {tuple(shape)}")
-        if not residual.is_contiguous():
-            raise ValueError("residual must be contiguous")
-        same_place(residual, "residual")
-    for name, t in gains:  # a row of H that every token shares
-        if t is None:
-            continue
-        if t.dim() != 1 or t.shape[0] != shape[1]:
-            raise ValueError(f"{name} must have shape ({shape[1]},), got {tuple(t.shape)}")
-        if t.dtype is not x.dtype and t.dtype is not torch.float32:
-            raise TypeError(f"{name} has dtype {t.dtype}; expected {x.dtype} or float32")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        same_place(t, name)
+    _check_row("weight", weight, x, device)
+    if steps is not block_end.PLAIN:
+        _check_steps(x, steps, device)
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if out is None and residual_out is None:
+        return
+    if out is not None:
+        _check_like_x("out", out, x, device, _output_dtype(x, steps),
+                      " (the fp8 format of this device)" if steps.fp8_output else "")
+    if residual_out is not None:
+        _check_like_x("residual_out", residual_out, x, device, x.dtype)
+    if out is not None and residual_out is not None and _overlap(out, residual_out):
+        raise ValueError("out and residual_out share memory; y and h must go to separate tensors")
+
+
+def _check_like_x(name: str, t, x: torch.Tensor, device: torch.device, dtype: torch.dtype,
+                  dtype_note: str = "") -> None:
+    """A [T, H] tensor beside x (the residual, an output): x's shape, ``dtype``, contiguous, x's device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype}{dtype_note}")
+    if t.shape != x.shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(x.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}")
+
+
+def _check_row(name: str, t, x: torch.Tensor, device: torch.device) -> None:
+    """A row of H that every token shares (a gain or a bias): 1-D, x's dtype or float32, contiguous."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor{'' if name == 'weight' else ' or None'}, got {type(t).__name__}")
+    if t.dim() != 1 or t.shape[0] != x.shape[1]:
+        raise ValueError(f"{name} must have shape ({x.shape[1]},), got {tuple(t.shape)}")
+    if t.dtype is not x.dtype and t.dtype is not torch.float32:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected {x.dtype} or float32")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but x is on {device}")
+
+
+def _check_steps(x: torch.Tensor, steps: Epilogue, device: torch.device) -> None:
+    """The block end's tensors and how its steps combine."""
+    for name, t in (("bias", steps.bias), ("sum_weight", steps.sum_weight), ("norm_bias", steps.norm_bias)):
+        if t is not None:
+            _check_row(name, t, x, device)
     if steps.norm_bias is not None and not steps.layer_norm:
         raise ValueError("norm_bias is LayerNorm's bias: pass layer_norm=True with it")
-    group = steps.scale_group
+    group, hidden = steps.scale_group, x.shape[1]
     if group:
         power_of_two = group >= 8 and group & (group - 1) == 0
-        if not (group == shape[1] or (power_of_two and shape[1] % group == 0)):
-            raise ValueError(f"scale_group {group} must be the hidden size {shape[1]} (a scale per token) or "
+        if not (group == hidden or (power_of_two and hidden % group == 0)):
+            raise ValueError(f"scale_group {group} must be the hidden size {hidden} (a scale per token) or "
                              "a power of two >= 8 that divides it")
         if steps.quant_scale is not None:
             raise ValueError("quant_scale (static fp8) and a dynamic fp8 scale_group exclude each other")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if steps.quant_scale is not None:
-        if steps.quant_scale.dtype != torch.float32 or steps.quant_scale.numel() != 1:
+    scale = steps.quant_scale
+    if scale is not None:
+        if not isinstance(scale, torch.Tensor):
+            raise TypeError(f"quant_scale must be a tensor or None, got {type(scale).__name__}")
+        if scale.dtype != torch.float32 or scale.numel() != 1:
             raise ValueError("quant_scale must be a float32 tensor of one element")
-        same_place(steps.quant_scale, "quant_scale")
-    if out is None and residual_out is None:
-        return
-    for name, t, dtype in (("out", out, _output_dtype(x, steps)), ("residual_out", residual_out, x.dtype)):
-        if t is None:
-            continue
-        if t.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
-        if t.dtype != dtype:
-            fp8 = " (the fp8 format of this device)" if name == "out" and steps.fp8_output else ""
-            raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype}{fp8}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        same_place(t, name)
-    if out is not None and residual_out is not None and _overlap(out, residual_out):
-        raise ValueError("out and residual_out share memory; y and h must go to separate tensors")
+        if scale.device != device:
+            raise ValueError(f"quant_scale is on {scale.device} but x is on {device}")
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -254,13 +266,20 @@ def _dynamic_fp8_outputs(x: torch.Tensor, scale_group: int) -> tuple[torch.Tenso
     """(y8, scales, h), empty."""
     n_tokens, hidden = x.shape
     groups = hidden // scale_group if scale_group > 0 else 0
-    return (torch.empty(x.shape, dtype=fp8_format(x.device).dtype, device=x.device),
+    return (torch.empty_like(x, dtype=fp8_format(x.device).dtype),
             torch.empty((n_tokens, groups), dtype=torch.float32, device=x.device), torch.empty_like(x))
 
 
 def _outputs(x: torch.Tensor, steps: Epilogue) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h), empty."""
-    return torch.empty_like(x, dtype=_output_dtype(x, steps)), torch.empty_like(x)
+    return _empty_y(x, steps), torch.empty_like(x)
+
+
+def _empty_y(x: torch.Tensor, steps: Epilogue) -> torch.Tensor:
+    """y, empty: in x's dtype, or fp8 (an fp8 block end)."""
+    if not steps.fp8_output:  # empty_like with a dtype argument costs twice the host time
+        return torch.empty_like(x)
+    return torch.empty_like(x, dtype=_output_dtype(x, steps))
 
 
 # The ops, on the cheapest registration that keeps a fake implementation for torch.compile: a Library
@@ -398,7 +417,7 @@ def allreduce_add_rmsnorm(
                                                           **_step_kwargs(steps))
         y, h = _outputs(x, steps)
     else:
-        y = out if out is not None else torch.empty(x.shape, dtype=_output_dtype(x, steps), device=x.device)
+        y = out if out is not None else _empty_y(x, steps)
         h = residual_out if residual_out is not None else torch.empty_like(x)
         if _through_the_op(x):
             torch.ops.tpfuse.allreduce_add_rmsnorm_out(x, residual, weight, eps, group_name, y, h,
