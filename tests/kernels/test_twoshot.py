@@ -36,7 +36,7 @@ SEQUENCE = [(5, 4096), (1, 512), (17, 4096), (3, 512), (2, 2880), (16, 8), (40, 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("oneshot_max, world_size", [(0, 2), (4, 3)] + [pytest.param(*p, marks=pytest.mark.extended) for p in ((4, 2), (0, 3))])
+@pytest.mark.parametrize("oneshot_max, world_size", [(0, 2)] + [pytest.param(*p, marks=pytest.mark.extended) for p in ((4, 2), (0, 3), (4, 3))])
 def test_twoshot_sequences(rank_pool, backend, world_size, oneshot_max):
     cases = [
         Case(
