@@ -121,8 +121,16 @@ def _hf_model(rank, world_size, path):
 def test_hugging_face_tp_plan_auto(rank_pool, tmp_path, arch):
     pool = rank_pool(2)
     pool.run(_save_hf_model, arch, str(tmp_path))
-    # Two layers: the attention and MLP all-reduces of each, the last one into the final norm.
-    _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900), sites=4)
+    # Two layers: the attention and MLP all-reduces of each, the last one into the final norm. Transformers
+    # 5.24 has one more, straight into the first layer's norm (no residual yet: AllReduceRMSNorm); seen
+    # 2026-12-02 on 2 CPU ranks, every site fused (scripts/setup_venv.sh newest-transformers).
+    _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900), sites=5 if _transformers_at_least(5, 24) else 4)
+
+
+def _transformers_at_least(major: int, minor: int) -> bool:
+    import transformers
+
+    return tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (major, minor)
 
 
 # Models whose block ends differ from Llama's (tpfuse.compiler.PATTERNS): Gemma 2's row-parallel embedding
