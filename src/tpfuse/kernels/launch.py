@@ -75,7 +75,7 @@ def kept_plan(plans: dict, key: tuple, make) -> LaunchPlan:
 def launch(plan: LaunchPlan, tensors: tuple, scalars: tuple, device: torch.device) -> None:
     """Launch ``plan.kernel`` over ``tensors`` (pointer arguments, in order) and ``scalars`` (the call's
     runtime scalars, then ``plan.scalars`` follow)."""
-    values = (*scalars, *plan.scalars)
+    values = (*scalars, *plan.scalars) if plan.scalars else scalars
     if plan.target is None:  # a plan serves one device (its context's, or its key's)
         plan.target = (device.type == "cuda" and not interpreter_enabled(), device.index)
     direct, index = plan.target
