@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from tpfuse.bench.output import pyplot, write_csv
 from tpfuse.bench.timing import progress
-from tpfuse.testing import fused_calls
+from tpfuse.testing import environment, fused_calls
 
 PROVIDERS = ("unfused", "tpfuse", "flashinfer")
 
@@ -195,17 +195,9 @@ def _fresh_compile_caches():
     import tempfile
 
     names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-    saved = {name: os.environ.get(name) for name in names}
-    with tempfile.TemporaryDirectory(prefix="tpfuse-e2e-cache-") as folder:
-        os.environ.update({name: os.path.join(folder, name.lower()) for name in names})
-        try:
-            yield
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    with tempfile.TemporaryDirectory(prefix="tpfuse-e2e-cache-") as folder, \
+            environment({name: os.path.join(folder, name.lower()) for name in names}):
+        yield
 
 
 def _time_workloads(rank, provider, fn, workloads, rows, reference, device, iters, profile_steps, done, total):

@@ -51,12 +51,8 @@ def _local_plan(call: FusedCall) -> LaunchPlan:
 
 def local_add_rmsnorm(call: FusedCall) -> None:
     """Write ``call``'s outputs from ``x`` alone (the sum over one rank): one program a row."""
-    x = call.x
-    n_tokens, hidden = x.shape
-    if n_tokens == 0:
+    if call.n_tokens == 0:
         return
-    key = (x.get_device(), n_tokens, call.kernel_key())
-    plan = _plans.get(key)  # the common case first: no closure made for a kept plan
-    if plan is None:
-        plan = kept_plan(_plans, key, lambda: _local_plan(call))
-    launch(plan, call.kernel_tensors(), (hidden, call.eps), x.device)
+    device = call.x.device
+    plan = kept_plan(_plans, (device, call.n_tokens, call.kernel_key()), lambda: _local_plan(call))
+    launch(plan, call.kernel_tensors(), (call.hidden, call.eps), device)

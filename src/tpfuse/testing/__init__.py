@@ -59,6 +59,21 @@ def local_launch_contexts(device, region_elems: int, world_size: int = 1) -> lis
 
 
 @contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """Within the block, ``os.environ`` has ``values``; after it, each name is as it was (or unset)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
 def forced_table(world_size: int, device, oneshot_max: int, fused_max: int = 4096,
                  hiddens: tuple[int, ...] = (8, 512, 2880, 4096)):
     """Within the block, calls take the one-shot up to ``oneshot_max`` tokens and the two-shot above.

@@ -21,6 +21,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from tpfuse.testing import environment
+
 DEFAULT_TIMEOUT_S = 300.0
 FAILURE_GRACE_S = 10.0
 
@@ -115,17 +117,9 @@ class RankPool:
         # The environment must be in place when a rank's interpreter starts, not only when its worker
         # runs: spawn re-imports the parent's main script first, and Triton fixes its interpreter mode
         # when triton.language is first imported.
-        saved = {k: os.environ.get(k) for k in rank_env}
-        os.environ.update(rank_env)
-        try:
+        with environment(rank_env):
             for p in self._procs:
                 p.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         self._next_task = 0
         self.alive = True
 
