@@ -212,12 +212,6 @@ def _run_fused(comm, call: FusedCall, plan, checking: bool) -> None:
 
 
 @functools.cache
-def _local_kernel_runs_on(device_type: str) -> bool:
-    """``kernels_usable`` for a device type (kept: asked at every call at world size 1)."""
-    return kernels_usable(torch.device(device_type))
-
-
-@functools.cache
 def _local_kernel():
     """``kernels.local.local_add_rmsnorm``, imported on first use (Triton loads with it)."""
     from tpfuse.kernels.local import local_add_rmsnorm
@@ -230,7 +224,7 @@ def _run_reference(call: FusedCall, group_name: str, comm) -> None:
     and the block end in one kernel where the kernels run."""
     x, steps = call.x, call.epilogue
     world_size = comm.world_size if comm is not None else _world_size(group_name)
-    if world_size == 1 and x.dtype is not torch.float32 and _local_kernel_runs_on(x.device.type):
+    if world_size == 1 and x.dtype is not torch.float32 and kernels_usable(x.device):
         _local_kernel()(call)
         _stats.record("triton.local")
         return
