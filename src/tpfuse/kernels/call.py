@@ -78,6 +78,16 @@ class FusedCall(NamedTuple):
                 sw if sw is not None else weight, nb if nb is not None else weight,
                 scales if scales is not None else weight)
 
+    def kernel_addresses(self) -> list[int]:
+        """:meth:`kernel_tensors`' device addresses, in the same order (what a kept launch passes): each
+        tensor's read once, the stand-in's reused."""
+        x, residual, weight, _, y, h, steps, _ = self
+        if steps is not PLAIN:
+            return [t.data_ptr() for t in self.kernel_tensors()]
+        stand_in, x_at = weight.data_ptr(), x.data_ptr()
+        return [x_at, residual.data_ptr() if residual is not None else x_at, stand_in, y.data_ptr(), h.data_ptr(),
+                stand_in, stand_in, stand_in, stand_in, stand_in]
+
     def kernel_key(self) -> tuple:
         """What about this call, besides its row count, decides a compiled kernel: dtypes, hidden size,
         the residual and the block end's steps."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpfuse.kernels import interpreter_enabled
+from tpfuse.kernels.call import FusedCall
 
 
 @dataclass
@@ -72,17 +73,21 @@ def kept_plan(plans: dict, key: tuple, make) -> LaunchPlan:
     return plan
 
 
-def launch(plan: LaunchPlan, tensors: tuple, scalars: tuple, device: torch.device) -> None:
-    """Launch ``plan.kernel`` over ``tensors`` (pointer arguments, in order) and ``scalars`` (the call's
-    runtime scalars, then ``plan.scalars`` follow)."""
+def launch(plan: LaunchPlan, call: FusedCall, scalars: tuple, workspace: tuple = ()) -> None:
+    """Launch ``plan.kernel`` for ``call``: its pointer arguments are the call's tensors
+    (``FusedCall.kernel_tensors``) then ``workspace``'s, its runtime scalars ``scalars`` then
+    ``plan.scalars``."""
     values = (*scalars, *plan.scalars) if plan.scalars else scalars
     if plan.target is None:  # a plan serves one device (its context's, or its key's)
+        device = call.x.device
         plan.target = (device.type == "cuda" and not interpreter_enabled(), device.index)
     direct, index = plan.target
     if not direct:
-        plan.kernel[(plan.grid,)](*tensors, *values, **plan.constexprs, **plan.options)
+        plan.kernel[(plan.grid,)](*call.kernel_tensors(), *workspace, *values, **plan.constexprs, **plan.options)
         return
-    addresses = [t.data_ptr() for t in tensors]
+    addresses = call.kernel_addresses()
+    for t in workspace:
+        addresses.append(t.data_ptr())
     # The JIT compiles apart for pointers that are not 16-byte aligned and for integer values (1, a
     # multiple of 16, over 32 bits): the kernel it chose for these exact values and alignment is right
     # for every later launch with the same. A plan sees the same values call after call (the wait
@@ -90,7 +95,8 @@ def launch(plan: LaunchPlan, tensors: tuple, scalars: tuple, device: torch.devic
     key = (bool(functools.reduce(operator.or_, addresses) & 15), values)
     run = plan.compiled.get(key)
     if run is None:
-        compiled = plan.kernel[(plan.grid,)](*tensors, *values, **plan.constexprs, **plan.options)
+        compiled = plan.kernel[(plan.grid,)](*call.kernel_tensors(), *workspace, *values, **plan.constexprs,
+                                             **plan.options)
         plan.compiled[key] = _launcher(compiled, tuple(plan.constexprs.values()))
         return
     run(plan.grid, torch._C._cuda_getCurrentRawStream(index), addresses, values)

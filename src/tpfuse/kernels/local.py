@@ -51,8 +51,9 @@ def _local_plan(call: FusedCall) -> LaunchPlan:
 
 def local_add_rmsnorm(call: FusedCall) -> None:
     """Write ``call``'s outputs from ``x`` alone (the sum over one rank): one program a row."""
-    if call.n_tokens == 0:
+    x = call.x
+    n_tokens, hidden = x.shape
+    if n_tokens == 0:
         return
-    device = call.x.device
-    plan = kept_plan(_plans, (device, call.n_tokens, call.kernel_key()), lambda: _local_plan(call))
-    launch(plan, call.kernel_tensors(), (call.hidden, call.eps), device)
+    plan = kept_plan(_plans, (x.device, n_tokens, call.kernel_key()), lambda: _local_plan(call))
+    launch(plan, call, (hidden, call.eps))

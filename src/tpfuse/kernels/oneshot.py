@@ -40,7 +40,7 @@ from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
                                      _multiple_of_8, _peer_base, _send_to_peers, _sendable_bits, _slots,
                                      _start_clock, _sum_in_rank_order, call_constexprs, call_scalars,
-                                     call_tensors, launch_config)
+                                     workspace_tensors, launch_config)
 from tpfuse.kernels.vendor import pdl_start
 
 
@@ -194,7 +194,7 @@ def oneshot_allreduce_add_rmsnorm(ctx: LaunchContext, call: FusedCall,
     """
     plan = kept_plan(ctx.plans, ("oneshot", variant, call.n_tokens, call.kernel_key()),
                      lambda: _oneshot_plan(ctx, call, variant))
-    launch(plan, call_tensors(ctx, call), call_scalars(ctx, call), call.x.device)
+    launch(plan, call, call_scalars(ctx, call), workspace_tensors(ctx))
 
 
 def _oneshot_plan(ctx: LaunchContext, call: FusedCall, variant: OneShotVariant) -> LaunchPlan:

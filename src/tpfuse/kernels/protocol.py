@@ -50,10 +50,10 @@ def launch_config(hidden: int, device: torch.device, pdl: bool = True,
     return block_h, num_warps, pdl and target.has_pdl
 
 
-def call_tensors(ctx: LaunchContext, call: FusedCall) -> tuple:
-    """Both kernels' pointer arguments for ``call``, in order: the call's (``FusedCall.kernel_tensors``),
-    then the workspace's peer table and state vector."""
-    return (*call.kernel_tensors(), ctx.workspace.peer_ptrs, ctx.workspace.state)
+def workspace_tensors(ctx: LaunchContext) -> tuple:
+    """Both kernels' pointer arguments after the call's (``FusedCall.kernel_tensors``): the workspace's
+    peer table and state vector."""
+    return (ctx.workspace.peer_ptrs, ctx.workspace.state)
 
 
 def call_scalars(ctx: LaunchContext, call: FusedCall) -> tuple:

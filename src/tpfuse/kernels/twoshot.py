@@ -41,7 +41,7 @@ from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
                                      _multiple_of_8, _nan_bits, _peer_base, _poisoned, _send_to_peers,
                                      _sendable, _sendable_bits, _slots, _start_clock, _sum_in_rank_order,
-                                     _wait_row, call_constexprs, call_scalars, call_tensors,
+                                     _wait_row, call_constexprs, call_scalars, workspace_tensors,
                                      launch_config)
 from tpfuse.kernels.vendor import store_shared
 from tpfuse.kernels.wire import _WIRE_BLOCK, _decode, _encode, wire_supported
@@ -326,7 +326,7 @@ def twoshot_allreduce_add_rmsnorm(ctx: LaunchContext, call: FusedCall, group_row
     """
     plan = kept_plan(ctx.plans, ("twoshot", group_rows, wire, max_warps, call.n_tokens, call.kernel_key()),
                      lambda: _twoshot_plan(ctx, call, group_rows, wire, max_warps))
-    launch(plan, call_tensors(ctx, call), call_scalars(ctx, call), call.x.device)
+    launch(plan, call, call_scalars(ctx, call), workspace_tensors(ctx))
 
 
 def _twoshot_plan(ctx: LaunchContext, call: FusedCall, group_rows: int, wire: bool,

@@ -19,7 +19,6 @@ dispatch modes.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 
@@ -60,18 +59,25 @@ def check_inputs(
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a tensor, got {type(x).__name__}")
-    if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
+    dtype, shape = x.dtype, x.shape
+    if dtype not in INPUT_DTYPES:
+        raise TypeError(f"x has dtype {dtype}; supported: bfloat16, float16, float32")
+    if len(shape) != 2:
+        raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(shape)}")
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
     device = x.device
-    if residual is not None:
-        _check_like_x("residual", residual, x, device, x.dtype)
-    if weight is None:
-        raise TypeError("weight must be a tensor (the RMSNorm gain), got None")
-    _check_row("weight", weight, x, device)
+    # One condition a tensor for arguments that pass (the common case); the helpers name what failed.
+    if residual is not None and not (isinstance(residual, torch.Tensor) and residual.dtype is dtype and
+                                     residual.shape == shape and residual.is_contiguous() and
+                                     residual.device == device):
+        _check_like_x("residual", residual, x, device, dtype)
+    if not (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.shape[0] == shape[1] and
+            (weight.dtype is dtype or weight.dtype is torch.float32) and weight.is_contiguous() and
+            weight.device == device):
+        if weight is None:
+            raise TypeError("weight must be a tensor (the RMSNorm gain), got None")
+        _check_row("weight", weight, x, device)
     if steps is not block_end.PLAIN:
         _check_steps(x, steps, device)
     if not eps >= 0:
@@ -172,7 +178,8 @@ def _world_size(group_name: str) -> int:
 
 
 def _run(call: FusedCall, group_name: str) -> None:
-    """Run a checked call: as its group's communicator plans it, or on the reference path."""
+    """Run a checked call: as one local kernel (a group of one rank), as its group's communicator plans
+    it, or on the reference path."""
     x = call.x
     comm = lookup_communicator(group_name)
     if comm is not None and comm.device == x.device:
@@ -195,6 +202,13 @@ def _run(call: FusedCall, group_name: str) -> None:
                     out.fill_(float("nan"))  # chunks that went through
                 raise
             return
+    local = _local_kernels.get((group_name, x.device), False)
+    if local is False:
+        local = _local_kernel(group_name, x.device)
+    if local is not None and x.dtype is not torch.float32:
+        local(call)
+        _stats.record("triton.local")
+        return
     _run_reference(call, group_name, comm)
 
 
@@ -211,23 +225,23 @@ def _run_fused(comm, call: FusedCall, plan, checking: bool) -> None:
     comm.check_errors(waited_s=time.monotonic() - started)
 
 
-@functools.cache
-def _local_kernel():
-    """``kernels.local.local_add_rmsnorm``, imported on first use (Triton loads with it)."""
-    from tpfuse.kernels.local import local_add_rmsnorm
+_local_kernels: dict = {}  # (group name, device) -> what runs its calls as one kernel (None: nothing)
 
-    return local_add_rmsnorm
+
+def _local_kernel(group_name: str, device: torch.device):
+    """``kernels.local.local_add_rmsnorm`` where a group has one rank and the kernels run on ``device``,
+    else None; kept (neither changes in a process), and Triton imported only where it is used."""
+    local = None
+    if _world_size(group_name) == 1 and kernels_usable(device):
+        from tpfuse.kernels.local import local_add_rmsnorm as local
+    _local_kernels[(group_name, device)] = local
+    return local
 
 
 def _run_reference(call: FusedCall, group_name: str, comm) -> None:
-    """The group's own all-reduce in fp32, then the block end in torch; at world size 1 no all-reduce,
-    and the block end in one kernel where the kernels run."""
+    """The group's own all-reduce in fp32 (none at world size 1), then the block end in torch."""
     x, steps = call.x, call.epilogue
     world_size = comm.world_size if comm is not None else _world_size(group_name)
-    if world_size == 1 and x.dtype is not torch.float32 and kernels_usable(x.device):
-        _local_kernel()(call)
-        _stats.record("triton.local")
-        return
     group = _group_by_name(group_name)
     checking = world_size > 1 and (x.device.type == "cpu" or (_debug() and
                                                                 not torch.cuda.is_current_stream_capturing()))
@@ -259,6 +273,11 @@ def _group_name(group: dist.ProcessGroup | None) -> str:
     if name is None:
         name = resolve_group(group).group_name
         _checked_groups[key] = name
+        # torch names groups by a counter that starts again when the default group is destroyed: what
+        # was kept for an earlier group of this name is not this group's.
+        _world_sizes.pop(name, None)
+        for kept in [k for k in _local_kernels if k[0] == name]:
+            del _local_kernels[kept]
     return name
 
 
