@@ -107,3 +107,30 @@ def test_repeated_calls_decide_once(rank_pool, backend, tokens):
     for i in range(len(per_rank[0][2])):
         case = per_rank[0][2][i][0]
         check_results(case, 2, [results[i][1] for _, _, results in per_rank])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (kept launches use the compiled launcher)")
+def test_a_kept_launch_follows_each_pointers_alignment(one_rank_group):
+    """The JIT compiles apart for each pointer that is not 16-byte aligned: the kernel kept for a call
+    whose x is misaligned must not serve one whose residual or output is (it would load them as if
+    aligned), and aligned calls after them still take the aligned kernel."""
+    tokens, hidden = 4, 256
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, residual = (torch.randn(tokens, hidden, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    weight = torch.randn(hidden, generator=g, device="cuda", dtype=torch.bfloat16)
+    h_ref = x.double() + residual.double()
+    y_ref = h_ref * torch.rsqrt(h_ref.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+
+    def misaligned(t):  # the same values 8 bytes past a 16-byte boundary (contiguous)
+        view = torch.empty(t.numel() + 8, dtype=t.dtype, device=t.device)[4:4 + t.numel()].view_as(t)
+        return view.copy_(t)
+
+    for moved in ["", "x", "residual", "out", "x residual out", ""]:
+        args = {"x": x, "residual": residual, "out": torch.empty_like(x)}
+        args.update({name: misaligned(args[name]) for name in moved.split()})
+        assert all((args[name].data_ptr() % 16 != 0) == (name in moved.split()) for name in args)
+        y, h = tpfuse.allreduce_add_rmsnorm(args["x"], args["residual"], weight, 1e-6, out=args["out"])
+        torch.cuda.synchronize()
+        assert y.data_ptr() == args["out"].data_ptr()
+        torch.testing.assert_close(h.double(), h_ref, rtol=1e-2, atol=1e-2, msg=f"h, misaligned: {moved!r}")
+        torch.testing.assert_close(y.double(), y_ref, rtol=2e-2, atol=2e-2, msg=f"y, misaligned: {moved!r}")

@@ -40,8 +40,8 @@ class LaunchPlan:
     options : dict
         Launch options (``num_warps``, ``launch_pdl``).
     compiled : dict
-        A launcher of the compiled kernel the JIT chose, for each (misaligned pointer?, runtime scalars)
-        seen (GPU only).
+        A launcher of the compiled kernel the JIT chose, for each (pointers not 16-byte aligned, runtime
+        scalars) seen (GPU only).
     """
 
     kernel: object
@@ -88,11 +88,13 @@ def launch(plan: LaunchPlan, call: FusedCall, scalars: tuple, workspace: tuple =
     addresses = call.kernel_addresses()
     for t in workspace:
         addresses.append(t.data_ptr())
-    # The JIT compiles apart for pointers that are not 16-byte aligned and for integer values (1, a
-    # multiple of 16, over 32 bits): the kernel it chose for these exact values and alignment is right
+    # The JIT compiles apart for each pointer that is not 16-byte aligned and for integer values (1, a
+    # multiple of 16, over 32 bits): the kernel it chose for these exact values and alignments is right
     # for every later launch with the same. A plan sees the same values call after call (the wait
-    # bound changes only when the user sets it), so this stays a one-entry dict in practice.
-    key = (bool(functools.reduce(operator.or_, addresses) & 15), values)
+    # bound changes only when the user sets it) and aligned pointers (the caching allocator's), so
+    # this stays a one-entry dict in practice; which pointers are misaligned is read only when one is.
+    misaligned = functools.reduce(operator.or_, addresses) & 15
+    key = (tuple(bool(a & 15) for a in addresses) if misaligned else (), values)
     run = plan.compiled.get(key)
     if run is None:
         compiled = plan.kernel[(plan.grid,)](*call.kernel_tensors(), *workspace, *values, **plan.constexprs,
