@@ -92,13 +92,14 @@ def _demo_model(rank, world_size, backend):
 
 
 # The GPU demo's decode benchmark: llama-3-8b layer shapes, fewer layers so it compiles in minutes.
-DEMO_E2E = dict(preset="llama-3-8b", layers=8, batches=[1, 8, 32, 64], prefill=2048)
+DEMO_E2E = dict(preset="llama-3-8b", layers=8, batches=(1, 8, 32, 64), prefill=2048)
 
 
 def _demo_e2e(rank, world_size):
-    from tpfuse.bench.e2e import PROVIDERS, e2e_rank
+    from tpfuse.bench.e2e import PROVIDERS, E2ERun, e2e_rank
 
-    return e2e_rank(rank, world_size, providers=list(PROVIDERS), **DEMO_E2E)
+    run = E2ERun(rank, DEMO_E2E["batches"], DEMO_E2E["prefill"], PROVIDERS)
+    return e2e_rank(run, DEMO_E2E["preset"], DEMO_E2E["layers"])
 
 
 def report_e2e(rows: list[dict], world_size: int, out_dir: str) -> None:

@@ -2,22 +2,14 @@
 
 import pytest
 
-from tpfuse.bench.e2e import KERNEL_FAMILIES, e2e_rank, kernel_family
+from tpfuse.bench.e2e import KERNEL_FAMILIES, E2ERun, e2e_rank, kernel_family
 
 
 def _tiny_e2e(rank, world_size):
-    return e2e_rank(
-        rank,
-        world_size,
-        "tiny",
-        2,  # layers: the MLP's all-reduce feeds the next layer's norm
-        [2],
-        6,
-        ["unfused", "tpfuse", "flashinfer"],
-        device=__import__("torch").device("cpu"),
-        iters=1,
-        profile_steps=1,
-    )
+    import torch
+
+    run = E2ERun(rank, [2], 6, ["unfused", "tpfuse", "flashinfer"], torch.device("cpu"), iters=1, profile_steps=1)
+    return e2e_rank(run, "tiny", 2)  # 2 layers: the MLP's all-reduce feeds the next layer's norm
 
 
 @pytest.mark.extended  # the harness also checks itself on GPUs (logit differences, fused calls per row)
@@ -66,8 +58,8 @@ def _tiny_hf_e2e(rank, world_size, path):
     if rank == 0:
         save_hf_llama(path, 1, torch.device("cpu"), tiny)  # its MLP's all-reduce feeds the final norm
     dist.barrier()
-    return hf_e2e_rank(rank, world_size, path, [2], 6, ["unfused", "tpfuse"], device=torch.device("cpu"),
-                       iters=1, mode=None, generate_new_tokens=3)
+    run = E2ERun(rank, [2], 6, ["unfused", "tpfuse"], torch.device("cpu"), iters=1, mode=None)
+    return hf_e2e_rank(run, path, generate_new_tokens=3)
 
 
 @pytest.mark.extended

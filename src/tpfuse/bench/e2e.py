@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -142,6 +143,46 @@ def profile_step(fn: Callable[[], object], device: torch.device, steps: int = 10
     return StepProfile(elapsed_ms / steps, sum(kernels.values()), kernels)
 
 
+@dataclass(frozen=True)
+class E2ERun:
+    """What every timed call of one benchmark run shares (one value through the harness).
+
+    Attributes
+    ----------
+    rank : int
+        This process's rank (rank 0 prints).
+    batches : tuple of int
+        Sequences per decode step, one workload each.
+    prefill : int
+        Positions the KV cache holds before a decode step; tokens of the prefill workload.
+    providers : tuple of str
+        :data:`PROVIDERS` to time, in order (``unfused`` first: the others' logits compare with its).
+    device : torch.device
+        Where the model runs; defaults to the current GPU.
+    iters : int
+        Calls per timed repeat.
+    mode : str or None
+        The ``torch.compile`` mode of every provider.
+    profile_steps : int
+        > 0: each timed workload is also profiled over this many steps.
+    """
+
+    rank: int
+    batches: tuple[int, ...]
+    prefill: int
+    providers: tuple[str, ...]
+    device: torch.device = None
+    iters: int = 20
+    mode: str | None = "reduce-overhead"
+    profile_steps: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "batches", tuple(self.batches))
+        object.__setattr__(self, "providers", tuple(self.providers))
+        if self.device is None:
+            object.__setattr__(self, "device", torch.device("cuda", torch.cuda.current_device()))
+
+
 @dataclass
 class Workload:
     """One timed call: ``step(compiled_model)`` returns the logits; ``reset()`` restores the KV cache."""
@@ -152,32 +193,34 @@ class Workload:
     reset: Callable
 
 
-def time_providers(rank: int, model, hidden: int, max_tokens: int, workloads: list[Workload],
-                   providers: list[str], device: torch.device, iters: int, mode: str,
-                   profile_steps: int = 0) -> list[dict]:
-    """Compile ``model`` per provider, run and time every workload; the rows, the same on every rank.
+def time_providers(run: E2ERun, model, hidden: int, workloads: list[Workload]) -> list[dict]:
+    """Compile ``model`` per provider (fused up to ``run.prefill`` tokens), run and time every workload;
+    the rows, the same on every rank.
 
-    With ``profile_steps``, each timed workload is also profiled (:func:`profile_step`, rank 0's
+    With ``run.profile_steps``, each timed workload is also profiled (:func:`profile_step`, rank 0's
     view): ``{provider}_gpu_busy_ms`` and ``{provider}_gpu_{family}_ms`` per :data:`KERNEL_FAMILIES`.
     """
     import tpfuse
 
     rows = {w.name: {"workload": w.name, "tokens": w.tokens} for w in workloads}
-    reference = {}
-    total, done = len(providers) * len(workloads), 0
-    for provider in providers:
+    reference = {}  # workload name -> the unfused model's logits
+    total, done = len(run.providers) * len(workloads), 0
+    for provider in run.providers:
         try:
-            fn = _compiled(provider, model, max_tokens, hidden, mode)
+            fn = _compiled(provider, model, run.prefill, hidden, run.mode)
         except (ImportError, ValueError) as exc:  # FlashInfer missing, or no CUDA for it
-            if rank == 0:
+            if run.rank == 0:
                 print(f"\n{provider}: {exc}; skipping it")
             done += len(workloads)
             continue
         torch._dynamo.reset()  # each provider compiles from nothing: its first calls time the compile
         with _fresh_compile_caches():
-            done = _time_workloads(rank, provider, fn, workloads, rows, reference, device, iters, profile_steps,
-                                   done, total)
-    if rank == 0:
+            for w in workloads:
+                if run.rank == 0:
+                    progress(done, total, f"e2e: {provider}, {w.name}")
+                _time_workload(run, provider, fn, w, rows[w.name], reference)
+                done += 1
+    if run.rank == 0:
         progress(total, total, "e2e: done")
     torch._dynamo.reset()
     tpfuse.destroy_all()
@@ -200,57 +243,47 @@ def _fresh_compile_caches():
         yield
 
 
-def _time_workloads(rank, provider, fn, workloads, rows, reference, device, iters, profile_steps, done, total):
-    """Run and time every workload with one provider's compiled model; returns the workloads done.
+def _time_workload(run: E2ERun, provider: str, fn, w: Workload, row: dict, reference: dict) -> None:
+    """Run and time one workload with one provider's compiled model ``fn``: its columns of ``row``.
 
     ``{provider}_first_call_s`` is the first call's wall time: with fresh caches, the compile it triggers
     (the first workload compiles the graphs, later ones any new shapes) and one step.
     """
     import tpfuse
 
-    for w in workloads:
-        name = w.name
-        if rank == 0:
-            progress(done, total, f"e2e: {provider}, {name}")
-        with torch.no_grad():
-            w.reset()
-            tpfuse.reset_stats()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            logits = w.step(fn).float().clone()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            rows[name][f"{provider}_first_call_s"] = time.perf_counter() - started
-            fused = fused_calls()
-            rows[name][f"{provider}_ms"] = _ms_per_call(lambda: w.step(fn), device, iters)
-            if profile_steps:
-                profile = profile_step(lambda: w.step(fn), device, profile_steps)
-                rows[name][f"{provider}_gpu_busy_ms"] = profile.busy_ms
-                for family, ms in profile.families().items():
-                    rows[name][f"{provider}_gpu_{family}_ms"] = ms
-                if rank == 0:
-                    print(f"\n{provider} {name}: profiled step {profile.step_ms:.3f} ms, kernels "
-                          f"{profile.busy_ms:.3f} ms; the largest:")
-                    for kernel, ms in profile.kernels.most_common(8):
-                        print(f"  {ms * 1000:9.1f} us  [{kernel_family(kernel)}] {kernel[:100]}")
-        rows[name][f"{provider}_fused_calls"] = fused
-        if rank == 0:
-            print(
-                f"\n{provider:>10} {name:>14}: {rows[name][f'{provider}_ms']:.3f} ms, "
-                f"{fused} fused calls, first call {rows[name][f'{provider}_first_call_s']:.1f} s",
-                flush=True,
-            )
-        if provider == "unfused":
-            reference[name] = logits
-        elif name in reference:
-            ref = reference[name]
-            rows[name][f"{provider}_logit_diff"] = ((logits - ref).abs().max() / ref.abs().max()).item()
-            rows[name][f"{provider}_argmax_agree"] = (
-                (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
-            )
-        done += 1
-    return done
+    device, name = run.device, w.name
+    with torch.no_grad():
+        w.reset()
+        tpfuse.reset_stats()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        logits = w.step(fn).float().clone()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        row[f"{provider}_first_call_s"] = time.perf_counter() - started
+        fused = fused_calls()
+        row[f"{provider}_ms"] = _ms_per_call(lambda: w.step(fn), device, run.iters)
+        if run.profile_steps:
+            profile = profile_step(lambda: w.step(fn), device, run.profile_steps)
+            row[f"{provider}_gpu_busy_ms"] = profile.busy_ms
+            for family, ms in profile.families().items():
+                row[f"{provider}_gpu_{family}_ms"] = ms
+            if run.rank == 0:
+                print(f"\n{provider} {name}: profiled step {profile.step_ms:.3f} ms, kernels "
+                      f"{profile.busy_ms:.3f} ms; the largest:")
+                for kernel, ms in profile.kernels.most_common(8):
+                    print(f"  {ms * 1000:9.1f} us  [{kernel_family(kernel)}] {kernel[:100]}")
+    row[f"{provider}_fused_calls"] = fused
+    if run.rank == 0:
+        print(f"\n{provider:>10} {name:>14}: {row[f'{provider}_ms']:.3f} ms, {fused} fused calls, "
+              f"first call {row[f'{provider}_first_call_s']:.1f} s", flush=True)
+    if provider == "unfused":
+        reference[name] = logits
+    elif name in reference:
+        ref = reference[name]
+        row[f"{provider}_logit_diff"] = ((logits - ref).abs().max() / ref.abs().max()).item()
+        row[f"{provider}_argmax_agree"] = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
 
 
 def _fill_caches(model, device: torch.device) -> None:
@@ -261,39 +294,26 @@ def _fill_caches(model, device: torch.device) -> None:
             cache.copy_(torch.randn(cache.shape, generator=gen, device=device, dtype=cache.dtype))
 
 
-def e2e_rank(
-    rank: int,
-    world_size: int,
-    preset: str,
-    layers: int | None,
-    batches: list[int],
-    prefill: int,
-    providers: list[str],
-    device: torch.device | None = None,
-    iters: int = 20,
-    mode: str = "reduce-overhead",
-    profile_steps: int = 0,
-) -> list[dict]:
+def e2e_rank(run: E2ERun, preset: str, layers: int | None) -> list[dict]:
     """Time every provider on our TP Llama (the process group is set up); the rows, the same on every rank.
 
-    ``device`` defaults to the current GPU; on the CPU (tests) the kernels run in Triton's interpreter.
+    On the CPU (tests) the kernels run in Triton's interpreter.
     """
     from tpfuse.models import Transformer
 
-    device = device or torch.device("cuda", torch.cuda.current_device())
+    device, prefill = run.device, run.prefill
     overrides = {"n_layers": layers} if layers else {}
     model = Transformer.build(preset, device=device, **overrides)
-    model.setup_caches(max_batch=max(batches), max_seq=prefill + 1)
+    model.setup_caches(max_batch=max(run.batches), max_seq=prefill + 1)
     gen = torch.Generator().manual_seed(0)
 
     def workload(name: str, batch: int, seq: int, pos: torch.Tensor) -> Workload:
         ids = torch.randint(0, model.args.vocab_size, (batch, seq), generator=gen).to(device)
         return Workload(name, ids.numel(), lambda fn: fn(ids, pos), lambda: _fill_caches(model, device))
 
-    workloads = [workload(f"decode b{b}", b, 1, torch.tensor([prefill], device=device)) for b in batches]
+    workloads = [workload(f"decode b{b}", b, 1, torch.tensor([prefill], device=device)) for b in run.batches]
     workloads.append(workload(f"prefill {prefill}", 1, prefill, torch.arange(prefill, device=device)))
-    return time_providers(rank, model, model.args.dim, prefill, workloads, providers, device, iters, mode,
-                          profile_steps)
+    return time_providers(run, model, model.args.dim, workloads)
 
 
 #: The generate() workload: prompt tokens per sequence and new tokens generated per call.
@@ -327,19 +347,7 @@ def hf_checkpoint(preset: str, layers: int) -> str:
     return os.path.join(os.environ.get("TPFUSE_HF_CHECKPOINTS", "/tmp/tpfuse-hf"), f"{preset}-{layers}")
 
 
-def hf_e2e_rank(
-    rank: int,
-    world_size: int,
-    path: str,
-    batches: list[int],
-    prefill: int,
-    providers: list[str],
-    device: torch.device | None = None,
-    iters: int = 20,
-    mode: str = "reduce-overhead",
-    profile_steps: int = 0,
-    generate_new_tokens: int = GENERATE_NEW_TOKENS,
-) -> list[dict]:
+def hf_e2e_rank(run: E2ERun, path: str, generate_new_tokens: int = GENERATE_NEW_TOKENS) -> list[dict]:
     """Time every provider on the Hugging Face Llama saved at ``path``, loaded with ``tp_plan="auto"``.
 
     Then, per batch size, ``generate()`` as users call it (:func:`time_generate`: tokens per second
@@ -358,7 +366,7 @@ def hf_e2e_rank(
     """
     from transformers import AutoModelForCausalLM, StaticCache
 
-    device = device or torch.device("cuda", torch.cuda.current_device())
+    device, prefill = run.device, run.prefill
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.bfloat16)
     config = model.config
     gen = torch.Generator().manual_seed(0)
@@ -386,20 +394,18 @@ def hf_e2e_rank(
         return Workload(f"decode b{batch}", batch, step, reset)
 
     prompt = torch.randint(0, config.vocab_size, (1, prefill), generator=gen).to(device)
-    workloads = [decode(b) for b in batches]
+    workloads = [decode(b) for b in run.batches]
     workloads.append(Workload(f"prefill {prefill}", prefill,
                               lambda fn: fn(input_ids=prompt, use_cache=False, logits_to_keep=1).logits,
                               lambda: None))
-    rows = time_providers(rank, model, config.hidden_size, prefill, workloads, providers, device, iters, mode,
-                          profile_steps)
-    generate_iters = max(1, iters // 10)  # a call is new_tokens forwards and a prefill
-    return rows + [time_generate(rank, model, b, providers, device, generate_iters, mode,
-                                 prompt=min(GENERATE_PROMPT, prefill), new_tokens=generate_new_tokens)
-                   for b in batches]
+    rows = time_providers(run, model, config.hidden_size, workloads)
+    generating = dataclasses.replace(run, iters=max(1, run.iters // 10))  # a call: new_tokens forwards + a prefill
+    return rows + [time_generate(generating, model, b, prompt=min(GENERATE_PROMPT, prefill),
+                                 new_tokens=generate_new_tokens) for b in run.batches]
 
 
-def time_generate(rank: int, model, batch: int, providers: list[str], device: torch.device, iters: int,
-                  mode: str | None, prompt: int = GENERATE_PROMPT, new_tokens: int = GENERATE_NEW_TOKENS) -> dict:
+def time_generate(run: E2ERun, model, batch: int, prompt: int = GENERATE_PROMPT,
+                  new_tokens: int = GENERATE_NEW_TOKENS) -> dict:
     """Hugging Face ``generate()`` as users call it, greedy over a static cache: one row.
 
     ``unfused`` is generate()'s own compilation with Inductor (``CompileConfig(mode=mode)``), the
@@ -411,6 +417,7 @@ def time_generate(rank: int, model, batch: int, providers: list[str], device: to
     import tpfuse
     from transformers import CompileConfig
 
+    device, mode = run.device, run.mode
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(3))
     ids = ids.to(device)
     row: dict = {"workload": f"generate b{batch}", "tokens": batch * new_tokens}
@@ -420,7 +427,7 @@ def time_generate(rank: int, model, batch: int, providers: list[str], device: to
         return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                               cache_implementation="static")
 
-    for provider in providers:
+    for provider in run.providers:
         torch._dynamo.reset()
         tpfuse.destroy_all()
         if provider == "unfused":
@@ -431,26 +438,26 @@ def time_generate(rank: int, model, batch: int, providers: list[str], device: to
                 tpfuse.get_communicator(max_tokens=batch, hidden=model.config.hidden_size,
                                         backend="triton" if provider == "tpfuse" else "flashinfer")
             except (ImportError, ValueError) as exc:  # FlashInfer missing, or no CUDA for it
-                if rank == 0:
+                if run.rank == 0:
                     print(f"\n{provider}: {exc}; skipping it")
                 continue
             config = tpfuse.compile_config(model, mode=mode)
         model.generation_config.compile_config = config
-        if rank == 0:
+        if run.rank == 0:
             progress(0, 1, f"e2e: {provider}, generate b{batch}")
         with torch.no_grad():
             generate()  # compiles
             tpfuse.reset_stats()
             tokens = generate()[:, prompt:]
             row[f"{provider}_fused_calls"] = fused_calls()
-            row[f"{provider}_ms"] = _ms_per_call(generate, device, iters)
+            row[f"{provider}_ms"] = _ms_per_call(generate, device, run.iters)
         row[f"{provider}_tokens_per_s"] = batch * new_tokens / row[f"{provider}_ms"] * 1000
         if provider == "unfused":
             reference = tokens
         elif reference is not None:
             row[f"{provider}_tokens_agree"] = (tokens == reference).float().mean().item()
             row[f"{provider}_speedup_%"] = 100 * (row["unfused_ms"] / row[f"{provider}_ms"] - 1)
-        if rank == 0:
+        if run.rank == 0:
             print(f"\n{provider:>10} generate b{batch}: {row[f'{provider}_tokens_per_s']:.1f} tokens/s, "
                   f"{row[f'{provider}_fused_calls']} fused calls", flush=True)
     model.generation_config.compile_config = None
@@ -544,6 +551,7 @@ def run_e2e_bench(
         return 2
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
+        run = E2ERun(rank, batches, prefill, providers, mode=mode, profile_steps=profile_steps)
         if client == "hf":
             from tpfuse.models.llama import PRESETS
 
@@ -552,11 +560,9 @@ def run_e2e_bench(
             if rank == 0:
                 save_hf_llama(path, layers, torch.device("cuda", torch.cuda.current_device()))
             dist.barrier()
-            rows = hf_e2e_rank(rank, world_size, path, batches, prefill, providers, mode=mode,
-                               profile_steps=profile_steps)
+            rows = hf_e2e_rank(run, path)
         else:
-            rows = e2e_rank(rank, world_size, preset, layers, batches, prefill, providers, mode=mode,
-                            profile_steps=profile_steps)
+            rows = e2e_rank(run, preset, layers)
         if rank == 0:
             write_outputs(rows, describe(client, preset, layers, world_size, mode), out_dir)
     finally:
