@@ -40,7 +40,7 @@ from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
                                      _multiple_of_8, _peer_base, _send_to_peers, _sendable_bits, _slots,
                                      _start_clock, _sum_in_rank_order, call_constexprs, call_scalars,
-                                     workspace_tensors, launch_config)
+                                     launch_config, workspace_tensors)
 from tpfuse.kernels.vendor import pdl_start
 
 

@@ -41,8 +41,8 @@ from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
                                      _multiple_of_8, _nan_bits, _peer_base, _poisoned, _send_to_peers,
                                      _sendable, _sendable_bits, _slots, _start_clock, _sum_in_rank_order,
-                                     _wait_row, call_constexprs, call_scalars, workspace_tensors,
-                                     launch_config)
+                                     _wait_row, call_constexprs, call_scalars, launch_config,
+                                     workspace_tensors)
 from tpfuse.kernels.vendor import store_shared
 from tpfuse.kernels.wire import _WIRE_BLOCK, _decode, _encode, wire_supported
 

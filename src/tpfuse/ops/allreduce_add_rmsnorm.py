@@ -178,8 +178,8 @@ def _world_size(group_name: str) -> int:
 
 
 def _run(call: FusedCall, group_name: str) -> None:
-    """Run a checked call: as one local kernel (a group of one rank), as its group's communicator plans
-    it, or on the reference path."""
+    """Run a checked call: as its group's communicator plans it, as one local kernel (a group of one
+    rank), or on the reference path."""
     x = call.x
     comm = lookup_communicator(group_name)
     if comm is not None and comm.device == x.device:
