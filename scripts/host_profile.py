@@ -47,7 +47,7 @@ def main():
         plan = kept_plan(_plans, (call.x.device, call.n_tokens, call.kernel_key()), lambda: _local_plan(call))
         launcher = next(iter(plan.compiled.values()))
         tensors = call.kernel_tensors()
-        addresses = [t.data_ptr() for t in tensors]
+        addresses = call.kernel_addresses()
         stream = torch.cuda.current_stream().cuda_stream
         values = (call.hidden, call.eps)
         from tpfuse.comm.communicator import lookup_communicator

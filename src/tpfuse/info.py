@@ -28,15 +28,15 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from tpfuse.kernels.epilogue import PLAIN, StepTensors
 from tpfuse.kernels.oneshot import _oneshot_allreduce_add_rmsnorm_kernel as kernel
 arch = sys.argv[1]
 amd = arch.startswith("gfx")
-flags = dict(RANK=1, WORLD=2, BLOCK_H=4096, HAS_RESIDUAL=True, HAS_BIAS=False, SUM_NORM=False,
-             LAYER_NORM=False, HAS_NORM_BIAS=False, QUANT=0, SCALE_GROUP=0, USE_PDL=not amd,
+flags = dict(RANK=1, WORLD=2, BLOCK_H=4096, HAS_RESIDUAL=True, STEPS=PLAIN.switches(4096), USE_PDL=not amd,
              DEADLINE_GIVEN=False, DESC_FLAGS=5, CLEAR_FIRST=True, RELAXED_ARRIVE=True, SPLIT_PUSH=False,
              PUSH_CHUNKS=1, BLOCK_C=4096, X_FIRST=False)
-types = dict(peer_ptrs_ptr="*i64", state_ptr="*i32", scale_ptr="*fp32", scales_ptr="*fp32", eps="fp32",
-             wait_limit="i64")
+types = dict(peer_ptrs_ptr="*i64", state_ptr="*i32", eps="fp32", wait_limit="i64",
+             steps=StepTensors._make(("*bf16",) * len(StepTensors._fields)))
 signature = {a: "constexpr" if a in flags else types.get(a, "*bf16" if a.endswith("_ptr") else "i32")
              for a in kernel.arg_names}
 target = GPUTarget("hip", arch, 64) if amd else GPUTarget("cuda", int(arch[2:]), 32)

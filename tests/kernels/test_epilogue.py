@@ -88,3 +88,53 @@ def test_every_step_compiled_on_one_gpu(algorithm):
         launch(ctx, call)
         check_results(case, 1, [call.outputs()])
     assert ctx.workspace.state[layout.STATE_ERROR].item() == 0
+
+
+def test_the_kernels_take_the_block_end_as_two_values():
+    """A step is declared once (``Epilogue``): no kernel names one in its signature, they take ``steps``
+    and ``STEPS``; ``steps`` holds every tensor step of ``Epilogue`` then the dynamic scales."""
+    import dataclasses
+
+    from tpfuse.kernels.epilogue import Epilogue, StepTensors, Switches
+    from tpfuse.kernels.local import _local_add_rmsnorm_kernel
+    from tpfuse.kernels.oneshot import _oneshot_allreduce_add_rmsnorm_kernel
+    from tpfuse.kernels.twoshot import _twoshot_allreduce_add_rmsnorm_kernel
+
+    fields = dataclasses.fields(Epilogue)
+    tensor_steps = [f.name for f in fields if "Tensor" in str(f.type)]
+    assert list(StepTensors._fields) == tensor_steps + ["scales"]
+    for kernel in (_local_add_rmsnorm_kernel, _oneshot_allreduce_add_rmsnorm_kernel,
+                   _twoshot_allreduce_add_rmsnorm_kernel):
+        names = kernel.arg_names
+        assert "steps" in names and "STEPS" in names, kernel
+        named = [n for n in names if n.removesuffix("_ptr") in {f.name for f in fields} | {"scale", "scales"}
+                 or n in Switches._fields]
+        assert not named, (kernel, named)
+
+
+@pytest.mark.parametrize("case", [Case(3, 512, seed=21), Case(2, 640, residual=False, seed=22),
+                                  Case(4, 512, quant_scale=0.05, bias=True, layer_norm=True, norm_bias=True,
+                                       seed=23),
+                                  Case(3, 640, scale_group=128, sum_norm=True, seed=24)],
+                         ids=["plain", "no-residual", "static-fp8-layernorm", "dynamic-fp8-gemma"])
+def test_a_calls_addresses_are_its_kernel_tensors_flattened(case):
+    """A kept launch passes ``kernel_addresses`` flat and splits the steps off at ``LaunchPlan.steps_at``:
+    they must be ``kernel_tensors``' pointers, in order, the steps' last, each absent one the stand-in."""
+    from tpfuse.kernels.epilogue import StepTensors
+    from tpfuse.kernels.launch import LaunchPlan
+    from tpfuse.kernels.oneshot import _oneshot_allreduce_add_rmsnorm_kernel
+
+    from tpfuse.kernels.epilogue import PLAIN
+
+    call = case.fused_call(case.inputs(1, torch.device("cpu")), 0)
+    if not call.epilogue.fp8_output and call.epilogue.plain:
+        call = call._replace(epilogue=PLAIN)  # the common call's own path
+    *tensors, steps = call.kernel_tensors()
+    assert isinstance(steps, StepTensors)
+    flat = [t.data_ptr() for t in (*tensors, *steps)]
+    assert call.kernel_addresses() == flat
+    plan = LaunchPlan(_oneshot_allreduce_add_rmsnorm_kernel, 1, (), {}, {})
+    assert plan.steps_at == len(tensors)
+    for name in StepTensors._fields:
+        given = getattr(call.epilogue, name, None) if name != "scales" else call.scales
+        assert getattr(steps, name) is (given if given is not None else call.weight), name

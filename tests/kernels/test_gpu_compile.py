@@ -13,8 +13,9 @@ import sys
 import pytest
 
 POINTERS = {"x_ptr": "*{dt}", "residual_ptr": "*{dt}", "weight_ptr": "*{dt}", "y_ptr": "*{yt}",
-            "h_ptr": "*{dt}", "scale_ptr": "*fp32", "bias_ptr": "*{dt}", "sum_weight_ptr": "*{dt}",
-            "norm_bias_ptr": "*{dt}", "scales_ptr": "*fp32", "peer_ptrs_ptr": "*i64", "state_ptr": "*i32"}
+            "h_ptr": "*{dt}", "peer_ptrs_ptr": "*i64", "state_ptr": "*i32"}
+#: The block end's pointers (the kernels' ``steps``, ``epilogue.StepTensors``): fp32 scales, the rest x's.
+STEP_POINTERS = {"quant_scale": "*fp32", "scales": "*fp32"}
 SCALARS = {"n_tokens": "i32", "hidden": "i32", "region_elems": "i32", "eps": "fp32", "wait_limit": "i64",
            "pushers": "i32", "group_rows": "i32"}
 ONESHOT = dict(CLEAR_FIRST=True, RELAXED_ARRIVE=True, SPLIT_PUSH=False, PUSH_CHUNKS=1, X_FIRST=False)
@@ -64,13 +65,20 @@ def compile_shape(name: str, world: int, dtype: str, constexprs: dict, target, u
     kernel = {"oneshot": _oneshot_allreduce_add_rmsnorm_kernel, "twoshot": _twoshot_allreduce_add_rmsnorm_kernel}[name]
     constexprs = dict(constexprs)
     asked = constexprs.pop("num_warps", 16)
-    flags = dict(PLAIN, RANK=world - 1, WORLD=world, HAS_RESIDUAL=True, USE_PDL=use_pdl,
+    from tpfuse.kernels.epilogue import StepTensors, Switches
+
+    switches = dict(PLAIN)
+    for name in Switches._fields:
+        switches[name] = constexprs.pop(name, switches[name])
+    flags = dict(RANK=world - 1, WORLD=world, HAS_RESIDUAL=True, STEPS=Switches(**switches), USE_PDL=use_pdl,
                  DEADLINE_GIVEN=False, DESC_FLAGS=5, **constexprs)
     warps = max(1, min(asked, max_warps, flags["BLOCK_H"] // (8 * target.warp_size)))
-    quant = flags["QUANT"] > 0
+    quant = flags["STEPS"].QUANT > 0
+    steps = StepTensors(*[STEP_POINTERS.get(name, "*{dt}").format(dt=dtype) for name in StepTensors._fields])
     signature = {
         arg: "constexpr" if arg in flags
         else POINTERS[arg].format(dt=dtype, yt="u8" if quant else dtype) if arg in POINTERS
+        else steps if arg == "steps"
         else SCALARS[arg]
         for arg in kernel.arg_names
     }
@@ -78,6 +86,8 @@ def compile_shape(name: str, world: int, dtype: str, constexprs: dict, target, u
     # the sizes get no hint here, as for a hidden size such as 4104 that is not a multiple of 16.
     aligned = {(i,): [["tt.divisibility", 16]]
                for i, arg in enumerate(kernel.arg_names) if arg in POINTERS}
+    at = kernel.arg_names.index("steps")
+    aligned.update({(at, j): [["tt.divisibility", 16]] for j in range(len(steps))})
     compiled = triton.compile(ASTSource(kernel, signature, flags, aligned), target=target,
                               options={"num_warps": warps})
     return compiled, flags
@@ -88,7 +98,7 @@ def _compile_all() -> None:
 
     for name, world, dtype, constexprs in SHAPES:
         compiled, flags = compile_shape(name, world, dtype, constexprs, GPUTarget("cuda", 90, 32), True, 32)
-        quant = flags["QUANT"] > 0
+        quant = flags["STEPS"].QUANT > 0
         ptx = compiled.asm["ptx"]
         narrow = len(re.findall(r"(?:ld|st)(?:\.volatile)?\.global\.b16", ptx))
         # The fp8 wire's exponent words (one per block of 128: a short vector, a word a thread) add a

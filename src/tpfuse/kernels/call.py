@@ -11,7 +11,9 @@ from typing import NamedTuple
 
 import torch
 
-from tpfuse.kernels.epilogue import PLAIN, Epilogue
+from tpfuse.kernels.epilogue import PLAIN, Epilogue, StepTensors
+
+_STEPS = len(StepTensors._fields)
 
 
 class FusedCall(NamedTuple):
@@ -64,29 +66,29 @@ class FusedCall(NamedTuple):
         return self._replace(x=self.x[part], residual=None if self.residual is None else self.residual[part],
                        y=self.y[part], h=self.h[part], scales=None if self.scales is None else self.scales[part])
 
-    def kernel_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The call's tensors as every kernel of ours takes them, in order: x, residual, weight, y, h,
-        quant_scale, bias, sum_weight, norm_bias, scales. An absent one is passed as ``weight``, a stand-in
-        the kernel never reads; an fp8 ``y`` as bytes (the kernels store fp8 codes)."""
+    def kernel_tensors(self) -> tuple:
+        """The call's tensors as every kernel of ours takes them, in order: x, residual, weight, y, h, then
+        the block end's (``epilogue.StepTensors``: the kernels' ``steps``). An absent one is passed as
+        ``weight``, a stand-in the kernel never reads; an fp8 ``y`` as bytes (the kernels store fp8 codes)."""
         x, residual, weight, _, y, h, steps, scales = self
+        if residual is None:
+            residual = x
         if steps is PLAIN:  # the common call: every step's place taken by the stand-in
-            return (x, residual if residual is not None else x, weight, y, h, weight, weight, weight, weight,
-                    weight)
-        q, b, sw, nb = steps.quant_scale, steps.bias, steps.sum_weight, steps.norm_bias
-        return (x, residual if residual is not None else x, weight, y.view(torch.uint8) if steps.fp8_output else y,
-                h, q if q is not None else weight, b if b is not None else weight,
-                sw if sw is not None else weight, nb if nb is not None else weight,
-                scales if scales is not None else weight)
+            return x, residual, weight, y, h, StepTensors._make((weight,) * _STEPS)
+        return (x, residual, weight, y.view(torch.uint8) if steps.fp8_output else y, h,
+                steps.step_tensors(weight, scales))
 
     def kernel_addresses(self) -> list[int]:
-        """:meth:`kernel_tensors`' device addresses, in the same order (what a kept launch passes): each
-        tensor's read once, the stand-in's reused."""
+        """:meth:`kernel_tensors`' device addresses, flattened (the steps' after h: what a kept launch
+        passes, ``launch.LaunchPlan.steps_at`` saying where the kernels' ``steps`` begin): each tensor's
+        read once, the stand-in's reused."""
         x, residual, weight, _, y, h, steps, _ = self
         if steps is not PLAIN:
-            return [t.data_ptr() for t in self.kernel_tensors()]
+            *tensors, step_tensors = self.kernel_tensors()
+            return [t.data_ptr() for t in (*tensors, *step_tensors)]
         stand_in, x_at = weight.data_ptr(), x.data_ptr()
-        return [x_at, residual.data_ptr() if residual is not None else x_at, stand_in, y.data_ptr(), h.data_ptr(),
-                stand_in, stand_in, stand_in, stand_in, stand_in]
+        return [x_at, residual.data_ptr() if residual is not None else x_at, stand_in, y.data_ptr(),
+                h.data_ptr(), *(stand_in,) * _STEPS]
 
     def kernel_key(self) -> tuple:
         """What about this call, besides its row count, decides a compiled kernel: dtypes, hidden size,

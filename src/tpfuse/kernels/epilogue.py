@@ -13,8 +13,11 @@ For each row, in fp32, with every step but the sum optional::
 fp8 is the device's (``vendor.fp8_format``): float8_e4m3fn, or float8_e4m3fnuz on gfx942 (MI300), where
 240 takes 448's place; the kernels take their compile target's (``vendor.fp8_max``).
 
-:class:`Epilogue` carries the optional tensors; ``kernels.reference`` is the same in torch, and the
+:class:`Epilogue` carries the optional steps; ``kernels.reference`` is the same in torch, and the
 descriptor flags (``flags``) make every rank's kernel refuse a peer whose call does something else.
+The kernels take a block end as two values, its tensors (``steps``: :data:`StepTensors`) and its
+compile-time switches (``STEPS``: :class:`Switches`), and hand them on to the Triton functions below,
+which alone read them: a new step changes no kernel's signature (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -94,14 +98,31 @@ class Epilogue:
                 | (layout.FLAG_DYNAMIC_TOKEN if self.scale_group == hidden else 0)
                 | (layout.FLAG_DYNAMIC_GROUP if 0 < self.scale_group < hidden else 0))
 
-    def constexprs(self, hidden: int) -> dict:
-        """The kernels' compile-time switches for this block end."""
+    def switches(self, hidden: int) -> Switches:
+        """The kernels' compile-time switches for this block end (their ``STEPS`` argument)."""
         dynamic = self.scale_group > 0
-        return dict(HAS_BIAS=self.bias is not None, SUM_NORM=self.sum_weight is not None,
-                    LAYER_NORM=self.layer_norm, HAS_NORM_BIAS=self.norm_bias is not None,
-                    QUANT=QUANT_DYNAMIC if dynamic else QUANT_STATIC if self.quant_scale is not None
-                    else QUANT_NONE,
-                    SCALE_GROUP=self.scale_group if dynamic and self.scale_group < hidden else 0)
+        return Switches(HAS_BIAS=self.bias is not None, SUM_NORM=self.sum_weight is not None,
+                        LAYER_NORM=self.layer_norm, HAS_NORM_BIAS=self.norm_bias is not None,
+                        QUANT=QUANT_DYNAMIC if dynamic else QUANT_STATIC if self.quant_scale is not None
+                        else QUANT_NONE,
+                        SCALE_GROUP=self.scale_group if dynamic and self.scale_group < hidden else 0)
+
+    def step_tensors(self, stand_in: torch.Tensor, scales: torch.Tensor | None) -> StepTensors:
+        """The kernels' ``steps`` argument: each tensor step (``stand_in``, never read, for an absent one),
+        then where dynamic fp8 writes its scales."""
+        return StepTensors(*[stand_in if (t := getattr(self, name)) is None else t for name in _TENSOR_STEPS],
+                           stand_in if scales is None else scales)
+
+
+class Switches(NamedTuple):
+    """The kernels' compile-time ``STEPS`` argument: which of the block end's steps they compile in."""
+
+    HAS_BIAS: bool
+    SUM_NORM: bool
+    LAYER_NORM: bool
+    HAS_NORM_BIAS: bool
+    QUANT: int  # QUANT_NONE, QUANT_STATIC or QUANT_DYNAMIC
+    SCALE_GROUP: int  # dynamic fp8: elements a scale, or 0 for one scale a token
 
 
 def _dtype(t: torch.Tensor | None) -> torch.dtype | None:
@@ -122,25 +143,39 @@ def step_names() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(Epilogue))
 
 
+_TENSOR_STEPS = tuple(f.name for f in dataclasses.fields(Epilogue) if f.type == _TENSOR)
+#: The kernels' ``steps`` argument, made from :class:`Epilogue`'s tensor fields (and the dynamic scales
+#: a call writes), so that a new tensor step changes no kernel's signature: the kernels hand ``steps``
+#: and ``STEPS`` on to the functions below, which alone read them.
+StepTensors = NamedTuple("StepTensors", [(name, object) for name in _TENSOR_STEPS] + [("scales", object)])
+
 PLAIN = Epilogue()
 
 
+class Params(NamedTuple):
+    """The rows a program loads once (:func:`_load_params`), as fp32; an absent step's are zeros."""
+
+    weight: object
+    bias: object
+    sum_weight: object
+    norm_bias: object
+
+
 @triton.jit
-def _load_params(weight_ptr, bias_ptr, sum_weight_ptr, norm_bias_ptr, cols, mask, HAS_BIAS: tl.constexpr,
-                 SUM_NORM: tl.constexpr, HAS_NORM_BIAS: tl.constexpr):
-    """(weight, bias, sum_weight, norm_bias) as fp32 rows, loaded once a program; absent ones are zeros."""
+def _load_params(weight_ptr, steps, cols, mask, STEPS: tl.constexpr):
+    """The norm's weight and the steps' rows (:class:`Params`), loaded once a program."""
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     zeros = tl.zeros(w.shape, tl.float32)
     b = zeros
     sw = zeros
     nb = zeros
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if SUM_NORM:
-        sw = tl.load(sum_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM_BIAS:
-        nb = tl.load(norm_bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return w, b, sw, nb
+    if STEPS.HAS_BIAS:
+        b = tl.load(steps.bias + cols, mask=mask, other=0.0).to(tl.float32)
+    if STEPS.SUM_NORM:
+        sw = tl.load(steps.sum_weight + cols, mask=mask, other=0.0).to(tl.float32)
+    if STEPS.HAS_NORM_BIAS:
+        nb = tl.load(steps.norm_bias + cols, mask=mask, other=0.0).to(tl.float32)
+    return Params(w, b, sw, nb)
 
 
 @triton.jit
@@ -149,45 +184,46 @@ def _rmsnorm(s, hidden, eps):
 
 
 @triton.jit
-def _before_residual(s, b, sw, hidden, eps, HAS_BIAS: tl.constexpr, SUM_NORM: tl.constexpr):
+def _before_residual(s, params, hidden, eps, STEPS: tl.constexpr):
     """The sum's own steps: + bias, then the post-norm (Gemma). Masked columns stay zero."""
-    if HAS_BIAS:
-        s += b
-    if SUM_NORM:
-        s = _rmsnorm(s, hidden, eps) * sw
+    if STEPS.HAS_BIAS:
+        s += params.bias
+    if STEPS.SUM_NORM:
+        s = _rmsnorm(s, hidden, eps) * params.sum_weight
     return s
 
 
 @triton.jit
-def _store_normed(h, w, nb, y_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden, eps,
-                  LAYER_NORM: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr,
+def _store_normed(h, params, y_ptr, steps, row, offs, mask, hidden, eps, STEPS: tl.constexpr,
                   BLOCK_H: tl.constexpr):
     """The norm of an fp32 row ``h`` (masked columns zero), stored in y's dtype or as fp8 bits.
 
     Dynamic fp8 (QUANT_DYNAMIC) also stores the row's scales: one (SCALE_GROUP 0) or one a group of
     SCALE_GROUP elements.
     """
-    if LAYER_NORM:
+    QUANT: tl.constexpr = STEPS.QUANT
+    SCALE_GROUP: tl.constexpr = STEPS.SCALE_GROUP
+    if STEPS.LAYER_NORM:
         centred = tl.where(mask, h - tl.sum(h, axis=0) / hidden, 0.0)
-        y = _rmsnorm(centred, hidden, eps) * w + nb
+        y = _rmsnorm(centred, hidden, eps) * params.weight + params.norm_bias
     else:
-        y = _rmsnorm(h, hidden, eps) * w
+        y = _rmsnorm(h, hidden, eps) * params.weight
     if QUANT == 0:
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:  # y_ptr is the fp8 output viewed as uint8
         FP8_LIMIT: tl.constexpr = fp8_max()
         MIN_SCALE: tl.constexpr = 1.0 / (FP8_LIMIT * 512)
         if QUANT == 1:
-            y = tl.clamp(y / tl.load(scale_ptr), -FP8_LIMIT, FP8_LIMIT)
+            y = tl.clamp(y / tl.load(steps.quant_scale), -FP8_LIMIT, FP8_LIMIT)
         elif SCALE_GROUP == 0:
             scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_LIMIT, MIN_SCALE)
-            tl.store(scales_ptr + row, scale)
+            tl.store(steps.scales + row, scale)
             y = tl.clamp(y / scale, -FP8_LIMIT, FP8_LIMIT)
         else:
             groups = tl.reshape(y, [BLOCK_H // SCALE_GROUP, SCALE_GROUP])
             scale = tl.maximum(tl.max(tl.abs(groups), axis=1) / FP8_LIMIT, MIN_SCALE)
             g = tl.arange(0, BLOCK_H // SCALE_GROUP)
             per_row = hidden // SCALE_GROUP
-            tl.store(scales_ptr + row.to(tl.int64) * per_row + g, scale, mask=g < per_row)
+            tl.store(steps.scales + row.to(tl.int64) * per_row + g, scale, mask=g < per_row)
             y = tl.reshape(tl.clamp(groups / scale[:, None], -FP8_LIMIT, FP8_LIMIT), [BLOCK_H])
         tl.store(y_ptr + offs, to_fp8_bits(y), mask=mask)

@@ -18,24 +18,20 @@ from tpfuse.kernels.protocol import launch_config
 
 @triton.jit
 def _local_add_rmsnorm_kernel(
-    x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, scale_ptr, bias_ptr, sum_weight_ptr, norm_bias_ptr,
-    scales_ptr, hidden, eps,
-    BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SUM_NORM: tl.constexpr,
-    LAYER_NORM: tl.constexpr, HAS_NORM_BIAS: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr,
+    x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, steps, hidden, eps,
+    BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STEPS: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     offs = row.to(tl.int64) * hidden + cols
-    w, b, sw, nb = _load_params(weight_ptr, bias_ptr, sum_weight_ptr, norm_bias_ptr, cols, mask, HAS_BIAS,
-                                SUM_NORM, HAS_NORM_BIAS)
+    params = _load_params(weight_ptr, steps, cols, mask, STEPS)
     h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    h = _before_residual(h, b, sw, hidden, eps, HAS_BIAS, SUM_NORM)
+    h = _before_residual(h, params, hidden, eps, STEPS)
     if HAS_RESIDUAL:
         h += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
-    _store_normed(h, w, nb, y_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden, eps, LAYER_NORM, QUANT,
-                  SCALE_GROUP, BLOCK_H)
+    _store_normed(h, params, y_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
 
 
 _plans: dict = {}
@@ -45,7 +41,7 @@ def _local_plan(call: FusedCall) -> LaunchPlan:
     block_h, num_warps, _ = launch_config(call.hidden, call.x.device, pdl=False)
     return LaunchPlan(_local_add_rmsnorm_kernel, call.n_tokens, (),
                       dict(BLOCK_H=block_h, HAS_RESIDUAL=call.residual is not None,
-                           **call.epilogue.constexprs(call.hidden)),
+                           STEPS=call.epilogue.switches(call.hidden)),
                       dict(num_warps=num_warps))
 
 

@@ -74,13 +74,11 @@ def _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, first, step, 
 
 @triton.jit
 def _oneshot_allreduce_add_rmsnorm_kernel(
-    x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, scale_ptr,
-    bias_ptr, sum_weight_ptr, norm_bias_ptr, scales_ptr,
+    x_ptr, residual_ptr, weight_ptr, y_ptr, h_ptr, steps,
     peer_ptrs_ptr, state_ptr,
     n_tokens, hidden, region_elems, eps, wait_limit, pushers,
     RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SUM_NORM: tl.constexpr, LAYER_NORM: tl.constexpr,
-    HAS_NORM_BIAS: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, STEPS: tl.constexpr,
     USE_PDL: tl.constexpr, DEADLINE_GIVEN: tl.constexpr, DESC_FLAGS: tl.constexpr,
     CLEAR_FIRST: tl.constexpr, RELAXED_ARRIVE: tl.constexpr,
     SPLIT_PUSH: tl.constexpr, PUSH_CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr, X_FIRST: tl.constexpr,
@@ -130,8 +128,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     if CLEAR_FIRST:  # the previous slot is ours alone until our next call: clear it while data flies
         _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
-    w, b, sw, nb = _load_params(weight_ptr, bias_ptr, sum_weight_ptr, norm_bias_ptr, cols, mask, HAS_BIAS,
-                                SUM_NORM, HAS_NORM_BIAS)
+    params = _load_params(weight_ptr, steps, cols, mask, STEPS)
     deadline = _start_clock(wait_limit, DEADLINE_GIVEN)
     deadline, failed = _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK, WORLD)
     row = first_row
@@ -143,12 +140,11 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         x_bits = _sendable_bits(x_ptr, offs, mask)
         h, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask, deadline,
                                        failed, RANK, WORLD, BLOCK_H)
-        h = _before_residual(h, b, sw, hidden, eps, HAS_BIAS, SUM_NORM)
+        h = _before_residual(h, params, hidden, eps, STEPS)
         if HAS_RESIDUAL:
             h += res
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
-        _store_normed(h, w, nb, y_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden, eps, LAYER_NORM, QUANT,
-                      SCALE_GROUP, BLOCK_H)
+        _store_normed(h, params, y_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
         row += row_step
     if not CLEAR_FIRST:
         _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)

@@ -87,7 +87,7 @@ def call_constexprs(ctx: LaunchContext, call: FusedCall, twoshot: bool, wire: bo
     # The kernels take both for multiples of 8 (16-byte rows); select.kernel_supports admits no others.
     assert hidden % 8 == 0 and workspace.region_elems % 8 == 0, (hidden, workspace.region_elems)
     has_residual = call.residual is not None
-    return dict(HAS_RESIDUAL=has_residual, **call.epilogue.constexprs(hidden),
+    return dict(HAS_RESIDUAL=has_residual, STEPS=call.epilogue.switches(hidden),
                 DEADLINE_GIVEN=call.x.device.type != "cuda",
                 DESC_FLAGS=call_flags(call.x.dtype, has_residual, twoshot) | call.epilogue.flags(hidden)
                 | (layout.FLAG_FP8_WIRE if wire else 0))

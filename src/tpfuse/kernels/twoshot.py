@@ -53,14 +53,12 @@ def _owner(row, n_programs, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _store_h_and_normed(h_bits, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden, eps,
-                        LAYER_NORM: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr,
+def _store_h_and_normed(h_bits, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS: tl.constexpr,
                         BLOCK_H: tl.constexpr):
     """Store the rounded h and the y computed from it: the same code on the owner and on its peers."""
     h = h_bits.to(h_ptr.dtype.element_ty, bitcast=True)
     tl.store(h_ptr + offs, h, mask=mask)
-    _store_normed(h.to(tl.float32), w, nb, y_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden, eps,
-                  LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
+    _store_normed(h.to(tl.float32), params, y_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
 
 
 @triton.jit
@@ -135,26 +133,21 @@ def _sum_wire_in_rank_order(x_ptr, offs, mask, own_slot, region_elems, row, hidd
 
 
 @triton.jit
-def _store_from_sum(s, residual_ptr, b, sw, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row, offs, mask,
-                    hidden, eps, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SUM_NORM: tl.constexpr,
-                    LAYER_NORM: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+def _store_from_sum(s, residual_ptr, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps,
+                    HAS_RESIDUAL: tl.constexpr, STEPS: tl.constexpr, BLOCK_H: tl.constexpr):
     """From the decoded sum of a row on the fp8 wire: the rest of the epilogue, h and y (every rank alike)."""
-    h = _before_residual(s, b, sw, hidden, eps, HAS_BIAS, SUM_NORM)
+    h = _before_residual(s, params, hidden, eps, STEPS)
     if HAS_RESIDUAL:
         h += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     h_bits = h.to(h_ptr.dtype.element_ty).to(tl.int16, bitcast=True)
-    _store_h_and_normed(h_bits, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row, offs, mask, hidden, eps,
-                        LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
+    _store_h_and_normed(h_bits, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
 
 
 @triton.jit
-def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, peer_ptrs_ptr, own_slot,
-                  send_base, w, b, sw, nb, hidden, region_elems, eps, n_programs, pid, first, last, cols,
-                  mask, deadline, failed, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
-                  HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SUM_NORM: tl.constexpr,
-                  LAYER_NORM: tl.constexpr, QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr,
-                  WIRE: tl.constexpr):
+def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, steps, peer_ptrs_ptr, own_slot, send_base, params,
+                  hidden, region_elems, eps, n_programs, pid, first, last, cols, mask, deadline, failed,
+                  RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                  STEPS: tl.constexpr, WIRE: tl.constexpr):
     """For the rows among first..last-1 we own: wait for the peers' x, reduce, send the rounded h to all
     (on the fp8 wire: the sum, as codes)."""
     i = first
@@ -170,33 +163,31 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, peer
                     if r != RANK:
                         _send_wire(_peer_base(peer_ptrs_ptr, r) + send_base, row, hidden, words, exponents,
                                    BLOCK_H)
-                _store_from_sum(_decode(words, exponents, BLOCK_H), residual_ptr, b, sw, w, nb, y_ptr, h_ptr,
-                                scale_ptr, scales_ptr, row, offs, mask, hidden, eps, HAS_RESIDUAL, HAS_BIAS,
-                                SUM_NORM, LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
+                _store_from_sum(_decode(words, exponents, BLOCK_H), residual_ptr, params, y_ptr, h_ptr, steps,
+                                row, offs, mask, hidden, eps, HAS_RESIDUAL, STEPS, BLOCK_H)
             else:
                 if HAS_RESIDUAL:
                     res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                 acc, failed = _sum_in_rank_order(x_ptr, _sendable_bits(x_ptr, offs, mask), own_slot,
                                                  region_elems, offs, mask, deadline, failed, RANK, WORLD,
                                                  BLOCK_H)
-                acc = _before_residual(acc, b, sw, hidden, eps, HAS_BIAS, SUM_NORM)
+                acc = _before_residual(acc, params, hidden, eps, STEPS)
                 if HAS_RESIDUAL:
                     acc += res
                 # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
                 h_bits = _sendable(acc.to(h_ptr.dtype.element_ty).to(tl.int16, bitcast=True))
                 _send_to_peers(peer_ptrs_ptr, send_base + offs, h_bits, mask, RANK, WORLD)
-                _store_h_and_normed(h_bits, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row, offs, mask,
-                                    hidden, eps, LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
+                _store_h_and_normed(h_bits, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS,
+                                    BLOCK_H)
         i += 1
     return failed
 
 
 @triton.jit
-def _gather_others(residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, own_slot, w, b, sw, nb, hidden,
-                   region_elems, eps, n_programs, pid, first, last, cols, mask, deadline, failed,
-                   WORLD: tl.constexpr, RANK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, SUM_NORM: tl.constexpr, LAYER_NORM: tl.constexpr,
-                   QUANT: tl.constexpr, SCALE_GROUP: tl.constexpr, WIRE: tl.constexpr):
+def _gather_others(residual_ptr, y_ptr, h_ptr, steps, own_slot, params, hidden, region_elems, eps, n_programs,
+                   pid, first, last, cols, mask, deadline, failed, WORLD: tl.constexpr, RANK: tl.constexpr,
+                   BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STEPS: tl.constexpr,
+                   WIRE: tl.constexpr):
     """For the rows among first..last-1 others own: wait for the owner's h (on the fp8 wire: its sum),
     then store h and y."""
     i = first
@@ -208,15 +199,14 @@ def _gather_others(residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, own_slot, 
             if WIRE:
                 s, missing = _wait_wire(own_slot + owner * region_elems, row, hidden, deadline, BLOCK_H)
                 failed |= missing
-                _store_from_sum(_poisoned(s, failed), residual_ptr, b, sw, w, nb, y_ptr, h_ptr, scale_ptr,
-                                scales_ptr, row, offs, mask, hidden, eps, HAS_RESIDUAL, HAS_BIAS, SUM_NORM,
-                                LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
+                _store_from_sum(_poisoned(s, failed), residual_ptr, params, y_ptr, h_ptr, steps, row, offs,
+                                mask, hidden, eps, HAS_RESIDUAL, STEPS, BLOCK_H)
             else:
                 h_bits, missing = _wait_row(own_slot + owner * region_elems + offs, mask, deadline)
                 failed |= missing
                 h_bits = tl.where(failed > 0, _nan_bits(h_ptr), h_bits)  # as _poisoned, for words
-                _store_h_and_normed(h_bits, w, nb, y_ptr, h_ptr, scale_ptr, scales_ptr, row, offs, mask,
-                                    hidden, eps, LAYER_NORM, QUANT, SCALE_GROUP, BLOCK_H)
+                _store_h_and_normed(h_bits, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS,
+                                    BLOCK_H)
         i += 1
     return failed
 
@@ -228,11 +218,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     weight_ptr,
     y_ptr,
     h_ptr,
-    scale_ptr,
-    bias_ptr,
-    sum_weight_ptr,
-    norm_bias_ptr,
-    scales_ptr,
+    steps,
     peer_ptrs_ptr,
     state_ptr,
     n_tokens,
@@ -245,12 +231,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     WORLD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SUM_NORM: tl.constexpr,
-    LAYER_NORM: tl.constexpr,
-    HAS_NORM_BIAS: tl.constexpr,
-    QUANT: tl.constexpr,
-    SCALE_GROUP: tl.constexpr,
+    STEPS: tl.constexpr,
     USE_PDL: tl.constexpr,
     DEADLINE_GIVEN: tl.constexpr,
     DESC_FLAGS: tl.constexpr,
@@ -283,8 +264,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
              WIRE, BLOCK_H)
     _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
-    w, b, sw, nb = _load_params(weight_ptr, bias_ptr, sum_weight_ptr, norm_bias_ptr, cols, mask, HAS_BIAS,
-                                SUM_NORM, HAS_NORM_BIAS)
+    params = _load_params(weight_ptr, steps, cols, mask, STEPS)
     deadline = _start_clock(wait_limit, DEADLINE_GIVEN)
     deadline, failed = _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK, WORLD)
     while first < my_rows:
@@ -293,14 +273,12 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
             after = tl.minimum(last + group_rows, my_rows)
             _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, last, after, cols, mask,
                      RANK, WORLD, WIRE, BLOCK_H)
-        failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, peer_ptrs_ptr,
-                               own_slot, send_base, w, b, sw, nb, hidden, region_elems, eps, n_programs, pid,
-                               first, last, cols, mask, deadline, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL,
-                               HAS_BIAS, SUM_NORM, LAYER_NORM, QUANT, SCALE_GROUP, WIRE)
-        failed = _gather_others(residual_ptr, y_ptr, h_ptr, scale_ptr, scales_ptr, own_slot, w, b, sw, nb,
-                                hidden, region_elems, eps, n_programs, pid, first, last, cols, mask, deadline,
-                                failed, WORLD, RANK, BLOCK_H, HAS_RESIDUAL, HAS_BIAS, SUM_NORM, LAYER_NORM,
-                                QUANT, SCALE_GROUP, WIRE)
+        failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, steps, peer_ptrs_ptr, own_slot, send_base,
+                               params, hidden, region_elems, eps, n_programs, pid, first, last, cols, mask,
+                               deadline, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL, STEPS, WIRE)
+        failed = _gather_others(residual_ptr, y_ptr, h_ptr, steps, own_slot, params, hidden, region_elems, eps,
+                                n_programs, pid, first, last, cols, mask, deadline, failed, WORLD, RANK, BLOCK_H,
+                                HAS_RESIDUAL, STEPS, WIRE)
         first = last
         last = after
     _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_programs, True)
