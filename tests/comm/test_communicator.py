@@ -46,7 +46,7 @@ def _lifecycle(rank, world_size):
     except RuntimeError as exc:
         report["destroyed raises when used"] = "destroyed" in str(exc)
     fresh = tpfuse.get_communicator(g1)
-    report["fresh after destroy"] = fresh is not c1 and not fresh.destroyed and fresh.fused is not None
+    report["fresh after destroy"] = fresh is not c1 and not fresh.destroyed and fresh.fused_backend is not None
     tpfuse.destroy_all()
     report["destroy_all"] = all(c.destroyed for c in (a, c2, fresh))
     dist.barrier()
@@ -171,7 +171,7 @@ def _kept_for_graphs(rank, world_size):
 
     call(plain, False)
     call(captured, True)
-    olds = [weakref.ref(c.fused.workspace) for c in (plain, captured)]
+    olds = [weakref.ref(c.fused_backend.workspace) for c in (plain, captured)]
     for comm in (plain, captured):
         tpfuse.get_communicator(comm.group, max_tokens=16, hidden=64)  # grows: a new workspace
     gc.collect()
@@ -179,7 +179,7 @@ def _kept_for_graphs(rank, world_size):
     report["captured: old workspace kept"] = olds[1]() is not None and olds[1]().buffer is not None
     report["captured: kept until exit"] = any(b.workspace is olds[1]() for b in communicator._kept_for_graphs)
     got = call(captured, False)  # the grown workspace serves calls as before
-    current = weakref.ref(captured.fused.workspace)
+    current = weakref.ref(captured.fused_backend.workspace)
     captured.destroy()
     plain.destroy()
     gc.collect()

@@ -25,7 +25,7 @@ def _on_hosts(rank, world_size, hosts):
         case = Case(5, 512, torch.bfloat16, seed=11)
         y, h = case.call(case.inputs(world_size), rank)
         comm.check_errors()
-        result = {"fused": comm.fused is not None, "workspace_bytes": comm.workspace_bytes,
+        result = {"fused": comm.fused_backend is not None, "workspace_bytes": comm.workspace_bytes,
                   "outputs": (y, h), "stats": tpfuse.stats(), "log": [r.getMessage() for r in records]}
         comm.destroy()
         return result

@@ -26,7 +26,7 @@ def _sent_descriptors(rank, world_size):
     case = Case(5, 512, torch.float16, seed=6)
     inp = case.inputs(world_size)
     tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
-    workspace = comm.fused.workspace
+    workspace = comm.fused_backend.workspace
     received = workspace.descriptors()[0, 1 - rank].tolist()  # call 0's slot, from the peer
     flags = layout.FLAG_FP16 | layout.FLAG_RESIDUAL
     expected = layout.describe_call(5, 512, flags, 0, workspace.region_elems)

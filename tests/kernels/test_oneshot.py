@@ -122,7 +122,7 @@ def _variants(rank, world_size, backend, case, names):
     out = {}
     for name in names:
         call = case.fused_call(inp, rank)
-        launch = dataclasses.replace(comm.fused.launch, max_programs=SPARE_PROGRAMS, plans={})
+        launch = dataclasses.replace(comm.fused_backend.launch, max_programs=SPARE_PROGRAMS, plans={})
         oneshot_allreduce_add_rmsnorm(launch, call, variant=OneShotVariant(**ONESHOT_VARIANTS[name]))
         out[name] = (call.y.cpu(), call.h.cpu())
     return out

@@ -101,7 +101,7 @@ def _grouped(rank, world_size, backend, cases, group_rows):
     out = []
     for case in cases:
         call = case.fused_call(case.inputs(world_size, device), rank)
-        twoshot_allreduce_add_rmsnorm(comm.fused.launch, call, group_rows=group_rows)
+        twoshot_allreduce_add_rmsnorm(comm.fused_backend.launch, call, group_rows=group_rows)
         out.append((call.y.cpu(), call.h.cpu()))
     return out
 

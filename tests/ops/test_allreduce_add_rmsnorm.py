@@ -70,9 +70,9 @@ def _poisoned_no_residual(rank, world_size, backend, case, poison):
     inp = case.inputs(world_size, device)
     y = torch.full((case.tokens, case.hidden), poison, dtype=case.dtype, device=device)
     h = torch.full_like(y, poison)
-    if comm.fused is not None and backend == "gloo":
+    if comm.fused_backend is not None and backend == "gloo":
         # Our own region of every slot is never read: fill it with garbage too.
-        buf = comm.fused.workspace.regions()
+        buf = comm.fused_backend.workspace.regions()
         buf[:, rank].fill_(0x3C00)
     tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], None, inp["weight"], case.eps, out=y, residual_out=h)
     return y.cpu(), h.cpu()

@@ -196,7 +196,7 @@ def _group_rows(tokens: int, hidden: int, device) -> list[dict]:
     rows = []
     for algorithm, launcher in _launchers(tokens, world).items():
         rows.append(dict(ranks=world, what=f"launch {algorithm}",
-                         host_us=_slowest(host_us(lambda: launcher(comm.fused.launch, call)))))
+                         host_us=_slowest(host_us(lambda: launcher(comm.fused_backend.launch, call)))))
         oneshot_max = tokens if algorithm == select.ONESHOT else 0
         with forced_table(world, device, oneshot_max, hiddens=(hidden,)):
             dist.barrier()

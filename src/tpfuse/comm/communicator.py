@@ -105,10 +105,10 @@ class Communicator:
         This process's rank in ``group`` and the group's size.
     device : torch.device
     backend : str
-        One of :data:`BACKENDS`.
+        The name of the kernels fused calls run on (``fused_backend``'s kind): one of :data:`BACKENDS`.
     compress : str or None
         One of :data:`COMPRESSIONS`: ``"fp8"`` when the two-shot's calls travel on the fp8 wire.
-    fused : FusedBackend or None
+    fused_backend : FusedBackend or None
         Where fused calls run (:mod:`tpfuse.comm.backend`); None: every call takes the reference path
         (the ``reference`` backend, one rank, no GPU and no Triton interpreter, or ranks that cannot
         map each other's memory: other hosts, GPUs without peer access, :mod:`tpfuse.comm.topology`).
@@ -123,7 +123,7 @@ class Communicator:
         self.device = group_device(group)
         self.backend = backend
         self.compress = compress
-        self.fused: FusedBackend | None = None
+        self.fused_backend: FusedBackend | None = None
         self.wait_timeout_s = float(wait_timeout_s or default_wait_timeout_s())
         self._destroyed = False
         self._busy = threading.Lock()  # held while a fused call runs: one thread at a time (see run_fused)
@@ -172,8 +172,8 @@ class Communicator:
     def _allocate(self, max_tokens: int, hidden: int) -> None:
         self._plans.clear()
         self._allocate_backend(max_tokens, hidden)
-        if self.fused is not None:
-            self._labels = {a: f"{self.fused.name}.{a}" for a in select.ALGORITHMS}
+        if self.fused_backend is not None:
+            self._labels = {a: f"{self.fused_backend.name}.{a}" for a in select.ALGORITHMS}
 
     def _allocate_backend(self, max_tokens: int, hidden: int) -> None:
         if self.world_size < 2 or self.backend == "reference":
@@ -194,11 +194,11 @@ class Communicator:
                                  f"runs on {self.device}")
             from tpfuse.comm.flashinfer import FlashInferBackend
 
-            self.fused = FlashInferBackend(self.group, max_tokens, hidden)
+            self.fused_backend = FlashInferBackend(self.group, max_tokens, hidden)
         elif kernels_usable(self.device):  # else no Triton kernel can run here: the reference path
             from tpfuse.comm.triton_backend import TritonBackend
 
-            self.fused = TritonBackend(self.group, self.device, max_tokens * hidden, self.wait_timeout_s,
+            self.fused_backend = TritonBackend(self.group, self.device, max_tokens * hidden, self.wait_timeout_s,
                                        fp8_wire=self.compress == "fp8")
 
     @property
@@ -209,8 +209,8 @@ class Communicator:
     @wait_timeout_s.setter
     def wait_timeout_s(self, seconds: float) -> None:
         self._wait_timeout_s = float(seconds)
-        if self.fused is not None:
-            self.fused.set_wait_timeout(self._wait_timeout_s)
+        if self.fused_backend is not None:
+            self.fused_backend.set_wait_timeout(self._wait_timeout_s)
 
     @property
     def destroyed(self) -> bool:
@@ -219,7 +219,7 @@ class Communicator:
     @property
     def workspace_bytes(self) -> int:
         """Bytes one rank may send per call (0 without a workspace): the input of ``max_token_num``."""
-        return self.fused.region_bytes if self.fused is not None else 0
+        return self.fused_backend.region_bytes if self.fused_backend is not None else 0
 
     def max_token_num(self, hidden: int, dtype: torch.dtype) -> int:
         """Largest token count a fused call of this group can take (:func:`tpfuse.select.max_token_num`)."""
@@ -232,7 +232,7 @@ class Communicator:
 
     def choose_algorithm(self, n_tokens: int, hidden: int, dtype: torch.dtype, epilogue: Epilogue = PLAIN) -> str:
         """The algorithm a call of this group runs (see :func:`tpfuse.select.choose_algorithm`)."""
-        if self.fused is not None and not self.fused.takes(n_tokens, epilogue):
+        if self.fused_backend is not None and not self.fused_backend.takes(n_tokens, epilogue):
             return select.REFERENCE
         return select.choose_algorithm(n_tokens, hidden, dtype, self.world_size, self.workspace_bytes,
                                        self.device)
@@ -259,10 +259,10 @@ class Communicator:
     def _plan(self, call: FusedCall) -> CallPlan:
         hidden, dtype = call.hidden, call.x.dtype
         algorithm = self.choose_algorithm(call.n_tokens, hidden, dtype, call.epilogue)
-        if algorithm != select.REFERENCE or self.fused is None or not self.fused.compares_calls:
+        if algorithm != select.REFERENCE or self.fused_backend is None or not self.fused_backend.compares_calls:
             return CallPlan(algorithm)
         limit = self.max_token_num(hidden, dtype)
-        if 0 < limit < call.n_tokens and self.fused.takes(limit, call.epilogue):
+        if 0 < limit < call.n_tokens and self.fused_backend.takes(limit, call.epilogue):
             return CallPlan(select.REFERENCE, chunk_rows=limit)
         return CallPlan(algorithm)
 
@@ -283,7 +283,7 @@ class Communicator:
                 "while one was running; a communicator serves one thread at a time (give each thread its "
                 "own process group and communicator)")
         try:
-            self.fused.run(algorithm, call)
+            self.fused_backend.run(algorithm, call)
         finally:
             self._busy.release()
         return self._labels[algorithm]
@@ -308,7 +308,7 @@ class Communicator:
         (every later call raises) until it is destroyed and created again, on every rank.
         """
         self.check_usable()
-        failure = self.fused.failure(self.wait_timeout_s, waited_s) if self.fused is not None else None
+        failure = self.fused_backend.failure(self.wait_timeout_s, waited_s) if self.fused_backend is not None else None
         if failure is not None:
             self._error = (f"tpfuse: group {self.group_name!r} rank {self.rank}: {failure}. Its outputs are "
                            "NaN. Destroy this communicator and create a new one, on every rank.")
@@ -351,16 +351,16 @@ class Communicator:
         every rank captures the same calls, which the growth's agreement checks) and computes right.
         """
         self._plans.clear()
-        if self.fused is not None:
+        if self.fused_backend is not None:
             if self._captured:
                 with _registry_lock:
-                    _kept_for_graphs.append(self.fused)
+                    _kept_for_graphs.append(self.fused_backend)
                 log.info("tpfuse: group %s rank %d: its workspace is kept until exit (%d bytes a region): "
                          "CUDA graphs captured with its fused calls may replay into it", self.group_name,
-                         self.rank, self.fused.region_bytes)
+                         self.rank, self.fused_backend.region_bytes)
             else:
-                self.fused.release()
-        self.fused = None
+                self.fused_backend.release()
+        self.fused_backend = None
 
     def destroy(self) -> None:
         """Free the workspace and leave the registry. Idempotent; not collective, so safe at exit."""

@@ -215,7 +215,7 @@ def _run(call: FusedCall, group_name: str) -> None:
 def _run_fused(comm, call: FusedCall, plan, checking: bool) -> None:
     """One fused call of ``comm``'s backend as ``plan`` says; on the CPU (or in debug mode) checked for
     errors after it."""
-    if checking and not comm.fused.compares_calls:
+    if checking and not comm.fused_backend.compares_calls:
         comm.check_call_matches(call.n_tokens, call.hidden, call.x.dtype, plan.algorithm)
     if not checking:
         _stats.record(comm.run_fused(call, plan))

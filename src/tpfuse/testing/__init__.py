@@ -27,7 +27,7 @@ def previous_slot_is_clear(comm) -> bool:
     calls were made. Reads the Triton backend's workspace."""
     from tpfuse.kernels.layout import NUM_SLOTS, SENTINEL, STATE_CALL
 
-    workspace = comm.fused.workspace
+    workspace = comm.fused_backend.workspace
     call = int(workspace.state[STATE_CALL])
     if call < 2:
         return True

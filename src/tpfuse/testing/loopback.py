@@ -40,7 +40,7 @@ class _LoopbackCommunicator(Communicator):
 
     def _allocate_backend(self, max_tokens: int, hidden: int) -> None:
         self.rank, self.world_size = self._context.rank, self._context.world_size
-        self.fused = _LoopbackBackend(self._context)
+        self.fused_backend = _LoopbackBackend(self._context)
 
 
 def loopback_communicator(group: dist.ProcessGroup, context: LaunchContext) -> Communicator:
