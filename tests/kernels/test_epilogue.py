@@ -117,11 +117,11 @@ def test_the_kernels_take_the_block_end_as_two_values():
                                        seed=23),
                                   Case(3, 640, scale_group=128, sum_norm=True, seed=24)],
                          ids=["plain", "no-residual", "static-fp8-layernorm", "dynamic-fp8-gemma"])
-def test_a_calls_addresses_are_its_kernel_tensors_flattened(case):
-    """A kept launch passes ``kernel_addresses`` flat and splits the steps off at ``LaunchPlan.steps_at``:
-    they must be ``kernel_tensors``' pointers, in order, the steps' last, each absent one the stand-in."""
+def test_a_calls_addresses_are_its_kernel_tensors_pointers(case):
+    """A kept launch passes ``kernel_addresses`` to the compiled launcher where the JIT took
+    ``kernel_tensors``: the same pointers in the same order and nesting (the steps' as one tuple, last),
+    each absent step the stand-in."""
     from tpfuse.kernels.epilogue import StepTensors
-    from tpfuse.kernels.launch import LaunchPlan
     from tpfuse.kernels.oneshot import _oneshot_allreduce_add_rmsnorm_kernel
 
     from tpfuse.kernels.epilogue import PLAIN
@@ -131,10 +131,8 @@ def test_a_calls_addresses_are_its_kernel_tensors_flattened(case):
         call = call._replace(epilogue=PLAIN)  # the common call's own path
     *tensors, steps = call.kernel_tensors()
     assert isinstance(steps, StepTensors)
-    flat = [t.data_ptr() for t in (*tensors, *steps)]
-    assert call.kernel_addresses() == flat
-    plan = LaunchPlan(_oneshot_allreduce_add_rmsnorm_kernel, 1, (), {}, {})
-    assert plan.steps_at == len(tensors)
+    assert call.kernel_addresses() == [*[t.data_ptr() for t in tensors], tuple(t.data_ptr() for t in steps)]
+    assert _oneshot_allreduce_add_rmsnorm_kernel.arg_names.index("steps") == len(tensors)
     for name in StepTensors._fields:
         given = getattr(call.epilogue, name, None) if name != "scales" else call.scales
         assert getattr(steps, name) is (given if given is not None else call.weight), name

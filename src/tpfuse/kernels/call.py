@@ -78,17 +78,17 @@ class FusedCall(NamedTuple):
         return (x, residual, weight, y.view(torch.uint8) if steps.fp8_output else y, h,
                 steps.step_tensors(weight, scales))
 
-    def kernel_addresses(self) -> list[int]:
-        """:meth:`kernel_tensors`' device addresses, flattened (the steps' after h: what a kept launch
-        passes, ``launch.LaunchPlan.steps_at`` saying where the kernels' ``steps`` begin): each tensor's
-        read once, the stand-in's reused."""
+    def kernel_addresses(self) -> list:
+        """:meth:`kernel_tensors`' device addresses, in the same order and nesting (the steps' as one
+        tuple, as the kernels' ``steps``): what a kept launch passes. Each tensor's read once, the
+        stand-in's reused."""
         x, residual, weight, _, y, h, steps, _ = self
         if steps is not PLAIN:
             *tensors, step_tensors = self.kernel_tensors()
-            return [t.data_ptr() for t in (*tensors, *step_tensors)]
+            return [*[t.data_ptr() for t in tensors], tuple(t.data_ptr() for t in step_tensors)]
         stand_in, x_at = weight.data_ptr(), x.data_ptr()
-        return [x_at, residual.data_ptr() if residual is not None else x_at, stand_in, y.data_ptr(),
-                h.data_ptr(), *(stand_in,) * _STEPS]
+        return [x_at, residual.data_ptr() if residual is not None else x_at, stand_in, y.data_ptr(), h.data_ptr(),
+                (stand_in,) * _STEPS]
 
     def kernel_key(self) -> tuple:
         """What about this call, besides its row count, decides a compiled kernel: dtypes, hidden size,

@@ -21,7 +21,6 @@ import torch
 
 from tpfuse.kernels import interpreter_enabled
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.epilogue import StepTensors
 
 
 @dataclass
@@ -59,11 +58,6 @@ class LaunchPlan:
         order = {name: i for i, name in enumerate(self.kernel.arg_names)}
         self.constexprs = dict(sorted(self.constexprs.items(), key=lambda item: order[item[0]]))
 
-    @property
-    def steps_at(self) -> int:
-        """Where the kernel's ``steps`` argument (``epilogue.StepTensors``) is among its parameters."""
-        return self.kernel.arg_names.index("steps")
-
 
 #: Plans kept per context before they are dropped and made again (token counts a server sees may be many).
 MAX_PLANS = 1024
@@ -99,36 +93,40 @@ def launch(plan: LaunchPlan, call: FusedCall, scalars: tuple, workspace: tuple =
     # for every later launch with the same. A plan sees the same values call after call (the wait
     # bound changes only when the user sets it) and aligned pointers (the caching allocator's), so
     # this stays a one-entry dict in practice; which pointers are misaligned is read only when one is.
-    misaligned = functools.reduce(operator.or_, addresses) & 15
-    key = (tuple(bool(a & 15) for a in addresses) if misaligned else (), values)
+    bits = 0
+    for a in addresses:  # the steps' addresses are one tuple among them
+        bits |= a if a.__class__ is int else functools.reduce(operator.or_, a)
+    key = (tuple(bool(a & 15) for a in _flat(addresses)) if bits & 15 else (), values)
     run = plan.compiled.get(key)
     if run is None:
         compiled = plan.kernel[(plan.grid,)](*call.kernel_tensors(), *workspace, *values, **plan.constexprs,
                                              **plan.options)
-        plan.compiled[key] = _launcher(compiled, tuple(plan.constexprs.values()), plan.steps_at)
+        plan.compiled[key] = _launcher(compiled, tuple(plan.constexprs.values()))
         return
     run(plan.grid, torch._C._cuda_getCurrentRawStream(index), addresses, values)
 
 
-def _launcher(compiled, constexprs: tuple, steps_at: int):
+def _flat(addresses: list) -> list[int]:
+    """The addresses with the steps' tuple opened, in the kernel's order."""
+    return [b for a in addresses for b in ((a,) if a.__class__ is int else a)]
+
+
+def _launcher(compiled, constexprs: tuple):
     """A function ``(grid, stream, addresses, values)`` that launches ``compiled`` as Triton's JIT would.
 
-    ``addresses`` are flat (``FusedCall.kernel_addresses``, then the workspace's); the C launcher takes
-    the kernels' ``steps`` as one tuple, from ``steps_at`` on. Triton's launcher object
-    (``compiled.run``) wraps a C function; where the kernel needs no scratch memory its Python wrapper
-    only adds arguments fixed at compile time, so they are bound here once and the C function called
-    directly (about 1.5 us a launch). Any other launcher: through ``run``.
+    Triton's launcher object (``compiled.run``) wraps a C function (which takes the kernels' ``steps``
+    as one tuple, as ``FusedCall.kernel_addresses`` gives them); where the kernel needs no scratch
+    memory its Python wrapper only adds arguments fixed at compile time, so they are bound here once
+    and the C function called directly (about 1.5 us a launch). Any other launcher: through ``run``.
     """
     run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-    after = steps_at + len(StepTensors._fields)
     direct = getattr(run, "launch", None)
     fixed = ("launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")
     if direct is None or not all(hasattr(run, name) for name in fixed) or run.global_scratch_size \
             or run.profile_scratch_size:
-        return lambda grid, stream, addresses, values: run(
-            grid, 1, 1, stream, function, metadata, None, None, None, *addresses[:steps_at],
-            tuple(addresses[steps_at:after]), *addresses[after:], *values, *constexprs)
+        return lambda grid, stream, addresses, values: run(grid, 1, 1, stream, function, metadata, None, None,
+                                                           None, *addresses, *values, *constexprs)
     cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
-    return lambda grid, stream, addresses, values: direct(
-        grid, 1, 1, stream, function, cooperative, pdl, None, None, metadata, None, None, None,
-        *addresses[:steps_at], tuple(addresses[steps_at:after]), *addresses[after:], *values, *constexprs)
+    return lambda grid, stream, addresses, values: direct(grid, 1, 1, stream, function, cooperative, pdl, None,
+                                                          None, metadata, None, None, None, *addresses,
+                                                          *values, *constexprs)
