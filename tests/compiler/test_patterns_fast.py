@@ -15,6 +15,8 @@ from torch import nn
 
 from tpfuse.compiler import PATTERNS, FusionPass
 from tpfuse.compiler.patterns import combinations, pattern_name
+from tpfuse.kernels.reference import dynamic_fp8
+from tpfuse.kernels.vendor import fp8_format
 from tpfuse.models.llama import HFRMSNorm
 
 HIDDEN, TOKENS = 64, 6
@@ -176,16 +178,6 @@ def test_every_combination_of_steps_is_a_pattern_named_from_its_steps():
     assert pattern_name(steps) == "AllReduceBiasAddRMSNormQuant"
 
 
-# torch 2.11 (the GPU machine's image; 2.13 here): fp8 after Gemma's post-norm or after a LayerNorm does
-# not fuse whole there. Seen 2026-12-01 on one H200 with this file's examples: those 40 sites fuse
-# without their quantisation or not at all, the rest as here; why its graph differs is not yet known.
-OLDER_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
-
-
-def _known_gap(pattern) -> bool:
-    return OLDER_TORCH and bool(pattern.quant) and (pattern.sum_norm or pattern.layer_norm)
-
-
 def _fuse_whole(patterns, trace=post_grad_pass_without_dynamo) -> None:
     """Every pattern's example, in one graph, fuses whole as that pattern: one op each, its steps."""
     torch.manual_seed(0)
@@ -214,14 +206,13 @@ def _fuse_whole(patterns, trace=post_grad_pass_without_dynamo) -> None:
                         pattern.layer_norm, pattern.quant), (pattern.__name__, steps)
 
 
+# torch 2.11 (the GPU machine's image) drops the .to(bf16).float() between a norm whose weight is applied
+# in fp32 (Gemma's post-norm's model, a LayerNorm) and fp8's division; those sites fuse there too
+# (matchers._cast_back). test_fp8_reads_the_norms_fp32_result_directly checks that graph on any torch.
+
+
 def test_every_pattern_fuses_its_example_whole():
-    _fuse_whole([p for p in PATTERNS if not _known_gap(p)])
-
-
-@pytest.mark.skipif(not OLDER_TORCH, reason="the gap is torch 2.11's (and 2.12's, untried)")
-@pytest.mark.xfail(strict=True, reason="torch 2.11: fp8 after a post-norm or a LayerNorm fuses only in part")
-def test_fp8_after_post_norm_or_layer_norm_on_older_torch():
-    _fuse_whole([p for p in PATTERNS if _known_gap(p)])  # seen on both routes (2026-12-02, one H200)
+    _fuse_whole(PATTERNS)
 
 
 class Site(nn.Module):
@@ -281,3 +272,41 @@ def test_a_dynamic_token_count_fuses_only_with_a_bound():
         post_grad_pass(Site("plain").bfloat16(), x, residual, fusion_pass=fusion_pass, dynamic=True)
         [[site]] = fusion_pass.reports
         assert says in str(site) and "[s" in str(site), str(site)
+
+
+class Fp32NormThenFp8(nn.Module):
+    """A block end whose norm's fp32 result fp8 reads directly, with no cast to bf16 between: what torch
+    2.11's post-grad graph makes of Gemma's norm or a LayerNorm followed by fp8 (it drops the
+    ``.to(bf16).float()``), written so that any torch's graph has it."""
+
+    def __init__(self, layer_norm: bool, quant: str):
+        super().__init__()
+        self.layer_norm, self.quant = layer_norm, quant
+        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(HIDDEN).bfloat16())
+        self.norm_bias = nn.Parameter(0.1 * torch.randn(HIDDEN).bfloat16())
+        self.register_buffer("scale", torch.tensor([0.05]))
+
+    def forward(self, x, residual):
+        h = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+        c = h.float()
+        if self.layer_norm:
+            y = torch.nn.functional.layer_norm(c, (HIDDEN,), self.weight.float(), self.norm_bias.float(), 1e-6)
+        else:  # Gemma's: the weight (1 + w) applied in fp32
+            y = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + self.weight.float())
+        if self.quant == "dynamic":
+            q, scales = dynamic_fp8(y, 16)
+            return q, scales, h
+        fmt = fp8_format(y.device)
+        return (y / self.scale).clamp(-fmt.max, fmt.max).to(fmt.dtype), h
+
+
+@pytest.mark.parametrize("layer_norm", [True, False], ids=["layernorm", "gemma-rmsnorm"])
+@pytest.mark.parametrize("quant", ["static", "dynamic"])
+def test_fp8_reads_the_norms_fp32_result_directly(layer_norm, quant):
+    x, residual = torch.randn(TOKENS, HIDDEN).bfloat16(), torch.randn(TOKENS, HIDDEN).bfloat16()
+    fusion_pass = FusionPass(fusion_limit=16)
+    graph = post_grad_pass_without_dynamo(Fp32NormThenFp8(layer_norm, quant), x, residual, fusion_pass=fusion_pass)
+    [[site]] = fusion_pass.reports
+    norm = "LayerNorm" if layer_norm else "RMSNorm"
+    assert site.pattern == f"AllReduceAdd{norm}{'DynamicQuant' if quant == 'dynamic' else 'Quant'}", str(site)
+    assert leftovers(graph) == []

@@ -97,8 +97,9 @@ def is_row_vector(node: object, hidden: int) -> bool:
             and val.numel() == hidden)
 
 
-def match_rmsnorm(h: Node) -> tuple[Node, Node, float, list[Node]] | None:
-    """(out, weight, eps, internal nodes) of an RMSNorm of ``h`` in any supported style, or None."""
+def match_rmsnorm(h: Node, quantised: bool = False) -> tuple[Node, Node, float, list[Node]] | None:
+    """(out, weight, eps, internal nodes) of an RMSNorm of ``h`` in any supported style, or None.
+    ``quantised``: fp8 follows, and ``out`` may be the fp32 result (see :func:`_cast_back`)."""
     dtype = meta_val(h).dtype
     # gpt-fast writes x.float() twice; the post-grad graph may keep both casts.
     casts = converts_to(h, torch.float32)
@@ -130,10 +131,23 @@ def match_rmsnorm(h: Node) -> tuple[Node, Node, float, list[Node]] | None:
                     return out, other_arg(out, back), float(add_eps.args[1]), internal + [back]
             scaled = only_user(normed)  # torch rms_norm, Gemma: the weight in fp32, then cast back
             if is_call(scaled, aten.mul.Tensor):
-                out = convert_to(scaled, dtype)
-                if out is not None and len(scaled.users) == 1:
+                out = _cast_back(scaled, dtype, quantised)
+                if out is not None:
                     return out, other_arg(scaled, normed), float(add_eps.args[1]), internal + [scaled]
     return None
+
+
+def _cast_back(normed: Node, dtype: torch.dtype, quantised: bool) -> Node | None:
+    """The norm's fp32 result ``normed`` cast back to the activations' ``dtype``, its only use; or, when
+    fp8 follows (``quantised``), ``normed`` itself where the graph has no cast. torch 2.11's post-grad
+    graph drops the ``.to(bf16).float()`` between a norm whose weight is applied in fp32 (Gemma's, a
+    LayerNorm) and the quantisation's division; the kernels quantise the fp32 row as that graph does."""
+    if len(normed.users) != 1:
+        return None
+    out = convert_to(normed, dtype)
+    if out is None and quantised and meta_val(normed).dtype == torch.float32 and dtype != torch.float32:
+        return normed
+    return out
 
 
 def _plus_eps_rsqrt(node: Node) -> tuple[Node | None, Node | None]:
@@ -150,11 +164,11 @@ def _last_dim(dims, node: Node) -> bool:
     return list(dims) in ([-1], [meta_val(node).dim() - 1])
 
 
-def match_layernorm(h: Node) -> tuple[Node, Node, float, object, list[Node]] | None:
+def match_layernorm(h: Node, quantised: bool = False) -> tuple[Node, Node, float, object, list[Node]] | None:
     """(out, weight, eps, bias or None, internal nodes) of a LayerNorm of ``h``, or None. Two styles:
     Inductor's decomposition of ``nn.LayerNorm`` / ``F.layer_norm`` (``var_mean`` in fp32), and the
     hand-written one of Cohere (``mean``, ``(c - mean) ** 2``, ``mean``); then the weight, an optional
-    bias, and the cast back."""
+    bias, and the cast back (``quantised``: see :func:`_cast_back`)."""
     for c in converts_to(h, torch.float32):
         for stats in _layernorm_statistics(c):
             add_eps, rsqrt = _plus_eps_rsqrt(stats.var)
@@ -170,7 +184,7 @@ def match_layernorm(h: Node) -> tuple[Node, Node, float, object, list[Node]] | N
             if is_add(after):
                 bias, last = other_arg(after, scaled), after
                 internal.append(after)
-            out = convert_to(last, meta_val(h).dtype) if len(last.users) == 1 else None
+            out = _cast_back(last, meta_val(h).dtype, quantised)
             if out is not None:
                 return out, other_arg(scaled, normed), float(add_eps.args[1]), bias, internal
     return None
@@ -287,10 +301,14 @@ def match_dynamic_fp8(y: Node, hidden: int) -> tuple[Node, Node, int, list[Node]
     ``out = clamp(g / s, -448, 448).to(fp8)`` (viewed back), ``scales = s.squeeze(-1)``; or None. 240 and
     float8_e4m3fnuz where that is the device's fp8 (gfx942)."""
     fmt = fp8_of(y)
-    start = convert_to(y, torch.float32) if len(y.users) == 1 else None
-    if start is None:
-        return None
-    nodes, grouped, group = [start], start, hidden
+    if meta_val(y).dtype == torch.float32:  # the norm's fp32 result, no cast between (_cast_back)
+        start, nodes = y, []
+    else:
+        start = convert_to(y, torch.float32) if len(y.users) == 1 else None
+        if start is None:
+            return None
+        nodes = [start]
+    grouped, group = start, hidden
     view = only_user(start)
     if is_call(view, *VIEWS) and len(meta_val(view).shape) == len(meta_val(start).shape) + 1:
         group = static_int(meta_val(view).shape[-1])

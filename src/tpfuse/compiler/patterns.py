@@ -215,12 +215,12 @@ class FusionPattern:
             m.internal += [n for n in steps if n is not cur]
         norm_input = row_views(cur, hidden)[-1]
         if cls.layer_norm:
-            norm = match_layernorm(norm_input)
+            norm = match_layernorm(norm_input, quantised=bool(cls.quant))
             if norm is None:
                 return None
             out, m.weight, m.eps, m.norm_bias, nodes = norm
         else:
-            norm = match_rmsnorm(norm_input)
+            norm = match_rmsnorm(norm_input, quantised=bool(cls.quant))
             if norm is None:
                 return None
             out, m.weight, m.eps, nodes = norm
@@ -241,7 +241,8 @@ class FusionPattern:
             nodes = nodes + [out] + quant_nodes
             out = q_out
         m.out = out
-        m.internal = [all_reduce] + m.merged + m.internal + nodes
+        # A norm's fp32 result that fp8 reads directly (matchers._cast_back) is both its out and a node.
+        m.internal = list(dict.fromkeys([all_reduce] + m.merged + m.internal + nodes))
         return m
 
     @classmethod
