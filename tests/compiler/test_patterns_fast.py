@@ -207,7 +207,7 @@ def _fuse_whole(patterns, trace=post_grad_pass_without_dynamo) -> None:
 
 
 # torch 2.11 (the GPU machine's image) drops the .to(bf16).float() between a norm whose weight is applied
-# in fp32 (Gemma's post-norm's model, a LayerNorm) and fp8's division; those sites fuse there too
+# in fp32 (Gemma's RMSNorm, a LayerNorm) and fp8's division; those sites fuse there too
 # (matchers._cast_back). test_fp8_reads_the_norms_fp32_result_directly checks that graph on any torch.
 
 
