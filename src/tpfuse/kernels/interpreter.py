@@ -82,12 +82,14 @@ def install() -> None:
     builder = interpreter.InterpreterBuilder
     triton_load, triton_store = builder.create_masked_load, builder.create_masked_store
 
-    def create_masked_load(self, ptrs, mask, other, cache_modifier, eviction_policy, is_volatile):
+    # The cache-policy arguments after ``other`` / ``mask`` changed between Triton releases (3.6: cache
+    # modifier, eviction policy, volatile; 3.9: one cache policy, volatile): passed on as they come.
+    def create_masked_load(self, ptrs, mask, other, *policy):
         dtype_tt = ptrs.get_element_ty()
         dtype_np = np.dtype(interpreter._get_np_dtype(dtype_tt))
         span = _word_span(ptrs.data, mask.data) if dtype_np.itemsize == 2 else None
         if span is None:
-            return triton_load(self, ptrs, mask, other, cache_modifier, eviction_policy, is_volatile)
+            return triton_load(self, ptrs, mask, other, *policy)
         first, last, lanes, words = span
         if other is None:
             loaded = np.zeros(lanes.size, np.uint16)
@@ -99,10 +101,10 @@ def install() -> None:
         loaded[part] = np.where(lanes[part], np.bitwise_or(words, _ZERO), loaded[part])
         return interpreter.TensorHandle(loaded.view(dtype_np).reshape(ptrs.data.shape), dtype_tt)
 
-    def create_masked_store(self, ptrs, value, mask, cache_modifier, eviction_policy):
+    def create_masked_store(self, ptrs, value, mask, *policy):
         span = _word_span(ptrs.data, mask.data) if value.data.dtype.itemsize == 2 else None
         if span is None:
-            return triton_store(self, ptrs, value, mask, cache_modifier, eviction_policy)
+            return triton_store(self, ptrs, value, mask, *policy)
         first, last, lanes, words = span
         part = slice(first, last + 1)
         values = np.broadcast_to(value.data, ptrs.data.shape).view(np.uint16).ravel()
