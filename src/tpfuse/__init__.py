@@ -11,6 +11,7 @@
 from tpfuse._stats import reset_stats, stats
 from tpfuse.comm import Communicator, check_errors, destroy_all, get_communicator
 from tpfuse.compiler import compile, compile_config, explain
+from tpfuse.engines import vllm_fusion_pass
 from tpfuse.ops import allreduce_add_rmsnorm, allreduce_add_rmsnorm_dynamic_fp8
 
 __version__ = "0.1.0"
@@ -27,4 +28,5 @@ __all__ = [
     "get_communicator",
     "reset_stats",
     "stats",
+    "vllm_fusion_pass",
 ]

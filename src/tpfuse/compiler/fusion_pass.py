@@ -13,6 +13,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tpfuse import _stats
+from tpfuse.compiler import vllm_sites
 from tpfuse.comm.communicator import fusion_signature, lookup_communicator
 from tpfuse.compiler.matchers import ALL_REDUCE
 from tpfuse.compiler.patterns import PATTERNS, Match, site_problem, unmatched_reason
@@ -103,20 +104,25 @@ class FusionPass(CustomGraphPass):
         communicator says (:func:`tpfuse.get_communicator`); the pass never creates or destroys one.
         Given, the pass decides without the registry (a graph fused for communicators made later, or
         tests of the patterns without ranks).
+    vllm_groups : dict, optional
+        ``{vLLM group name: c10d group name}`` (``{"tp:0": "3"}``): the groups of the graph's
+        ``vllm.all_reduce`` sites (:mod:`tpfuse.compiler.vllm_sites`), as ``tpfuse.engines.vllm``
+        resolves them in vLLM's workers. A vLLM site of a group not in it stays unfused, said why.
 
     Sites with a static token count need no bound.
     """
 
     _source_hash = hashlib.sha256(b"".join(
         (pathlib.Path(__file__).parent / name).read_bytes()
-        for name in ("fusion_pass.py", "patterns.py", "matchers.py", "sizes.py")
+        for name in ("fusion_pass.py", "patterns.py", "matchers.py", "sizes.py", "vllm_sites.py")
     )).hexdigest()
 
     def __init__(self, max_tokens: int | None = None, token_bounds: dict[str, int] | None = None,
-                 fusion_limit: int | None = None):
+                 fusion_limit: int | None = None, vllm_groups: dict[str, str] | None = None):
         self.max_tokens = max_tokens
         self.token_bounds = dict(token_bounds or {})
         self.fusion_limit = fusion_limit
+        self.vllm_groups = dict(vllm_groups or {})
         self._tag = uuid.uuid4().hex
 
     @property
@@ -178,6 +184,7 @@ class FusionPass(CustomGraphPass):
                 sites.append(SiteReport(shape, dtype, group_name, False, pattern_name, reason))
         # A site that a later one took in as its second branch is reported with that one only.
         sites = [s for i, s in enumerate(sites) if unfused.get(i) not in merged]
+        sites += [self._fuse_vllm_site(node) for node in vllm_sites.all_reduces(graph)]
         if any(s.fused for s in sites):
             stable_topological_sort(graph)  # shapes the replacements read may be defined after the site
         graph.lint()
@@ -186,10 +193,23 @@ class FusionPass(CustomGraphPass):
             f"tokens <= {self.max_tokens}" if self.max_tokens else "static token counts")
         report_graph(sites, bounds)
 
+    def _fuse_vllm_site(self, node: torch.fx.Node) -> SiteReport:
+        shape, dtype, group_name = vllm_sites.describe(node)
+        if group_name not in self.vllm_groups:
+            return SiteReport(shape, dtype, group_name, False, reason=(
+                f"vLLM group {group_name!r} has no process group known to the pass (tpfuse.engines.vllm "
+                "resolves vLLM's groups in its workers)"))
+        match, reason = vllm_sites.find_site(node, self.vllm_groups[group_name])
+        if match is not None:
+            reason = vllm_sites.limit_problem(match, self._token_bound, self._fusion_limit(match))
+        if reason is not None:
+            return SiteReport(shape, dtype, group_name, False, reason=reason)
+        return SiteReport(shape, dtype, group_name, True, vllm_sites.replace(match))
+
     def uuid(self) -> str:
         # Inductor's cache key: everything the pass's decisions depend on, stable across runs (the
         # code, the bounds, and each group's communicator: backend, size and algorithm table).
         bounds = sorted(self.token_bounds.items())
         limits = fusion_signature() if self.fusion_limit is None else f"limit {self.fusion_limit}"
-        key = f"{self._source_hash}|{self.max_tokens}|{bounds}|{limits}"
+        key = f"{self._source_hash}|{self.max_tokens}|{bounds}|{limits}|{sorted(self.vllm_groups.items())}"
         return "tpfuse-fusion-" + hashlib.sha256(key.encode()).hexdigest()[:24]

@@ -1,0 +1,93 @@
+"""tpfuse in SGLang (0.5.23): a plugin that runs tpfuse's fused call where SGLang would call FlashInfer's.
+
+What an SGLang user writes (tpfuse installed in SGLang's environment)::
+
+    TPFUSE_SGLANG=1 python -m sglang.launch_server --model-path MODEL --tp 2
+
+SGLang loads the plugins of the entry-point group ``sglang.srt.plugins`` in each of its processes; with
+``$TPFUSE_SGLANG`` = 1, :func:`register` replaces (``HookType.REPLACE``; SGLang rewrites every module's
+reference to the original too):
+
+- ``flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm``, the one fused all-reduce + residual
+  + RMSNorm call of SGLang's layers (``layernorm._forward_with_allreduce_fusion``): tpfuse's op on the
+  same group SGLang's call reduces over (``resolve_fusion_group``). It never declines: a call over
+  tpfuse's limit runs as fused calls of the limit's rows (or the group's own all-reduce), so SGLang's
+  decline branch is never taken;
+- ``layer_boundary.residual.add_norm.flashinfer_ar_fusion_applies``, the gate that decides whether a
+  layer defers its all-reduce to the fused call: on any GPU tpfuse runs on (not only SM90 / SM100 with
+  FlashInfer), for batches up to tpfuse's limit, with SGLang's own exclusions (attention data
+  parallelism);
+- ``BaseRunner._pre_initialize_flashinfer_allreduce_workspace``, run before CUDA-graph capture: tpfuse's
+  communicators of the fusion groups instead of FlashInfer's workspaces.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("tpfuse.engines.sglang")
+
+ENV = "TPFUSE_SGLANG"
+#: The most tokens a fused call of SGLang's takes (its own limit for FlashInfer's fusion).
+MAX_TOKENS = 2048
+FUSED_CALL = "sglang.srt.layers.flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm"
+GATE = "sglang.srt.layers.layer_boundary.residual.add_norm.flashinfer_ar_fusion_applies"
+WORKSPACE = "sglang.srt.model_executor.runner.base_runner.BaseRunner._pre_initialize_flashinfer_allreduce_workspace"
+#: {c10d group name: the most tokens its communicator fuses at the model's hidden size and dtype}
+_limits: dict[str, int] = {}
+
+
+def register() -> None:
+    """SGLang's plugin entry point: the three replacements above, when ``$TPFUSE_SGLANG`` is 1."""
+    if os.environ.get(ENV) != "1":
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in ((FUSED_CALL, allreduce_residual_rmsnorm), (GATE, fusion_applies),
+                         (WORKSPACE, create_communicators)):
+        HookRegistry.register(target, hook, HookType.REPLACE, source="tpfuse")
+
+
+def _fusion_group(use_attn_tp_group: bool):
+    """The process group SGLang's fused call reduces over (the attention TP group, or the experts')."""
+    from sglang.srt.layers.flashinfer_comm_fusion import resolve_fusion_group
+
+    _, _, coordinator = resolve_fusion_group(use_attn_tp_group=use_attn_tp_group)
+    return coordinator.device_group
+
+
+def allreduce_residual_rmsnorm(input_tensor, residual, weight, eps: float = 1e-6, max_token_num: int = MAX_TOKENS,
+                               use_oneshot=None, trigger_completion_at_end: bool = False, fp32_acc: bool = True,
+                               use_attn_tp_group: bool = True):
+    """FlashInfer's call's signature and contract: ``(normed, residual_out)``, new tensors (SGLang keeps
+    the residual it passed); the reduction in fp32 (``fp32_acc``). The remaining FlashInfer switches
+    (one-shot, completion trigger) are tpfuse's own choices (its algorithm table)."""
+    import tpfuse
+
+    return tpfuse.allreduce_add_rmsnorm(input_tensor, residual, weight, eps,
+                                        group=_fusion_group(use_attn_tp_group))
+
+
+def fusion_applies(batch_size: int) -> bool:
+    """Whether a layer defers its all-reduce to the fused call: a batch the attention TP group's
+    communicator fuses, where SGLang's attention is not data-parallel."""
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+
+    if batch_size <= 0 or is_dp_attention_enabled():
+        return False
+    return batch_size <= _limits.get(_fusion_group(use_attn_tp_group=True).group_name, 0)
+
+
+def create_communicators(runner) -> None:
+    """Before CUDA-graph capture: tpfuse's communicator of each group SGLang's fused calls reduce over,
+    sized for :data:`MAX_TOKENS` rows of the model's hidden size (collective over each group)."""
+    import tpfuse
+
+    hidden, dtype = runner.model_runner.model_config.hidden_size, runner.model_runner.dtype
+    for use_attn_tp_group in (True, False):
+        group = _fusion_group(use_attn_tp_group)
+        if group.size() > 1:
+            comm = tpfuse.get_communicator(group, max_tokens=MAX_TOKENS, hidden=hidden)
+            _limits[group.group_name] = comm.max_token_num(hidden, dtype)
+            log.info("tpfuse: SGLang's fused all-reduce + RMSNorm calls on group %s: %r", group.group_name, comm)

@@ -1,0 +1,175 @@
+"""The fusion pass on vLLM's graph dialect, in one process: ``vllm.all_reduce`` followed by vLLM's IR norms
+(``vllm_ir.fused_add_rms_norm`` / ``vllm_ir.rms_norm``) becomes tpfuse's op, and sites that must stay
+vLLM's say why. vLLM itself is not needed: where it is not installed, stand-in ops of the same names and
+schemas take its place (the pass knows ops by name). vLLM running the pass: tests/engines/test_vllm.py."""
+
+import operator
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from tpfuse.compiler import FusionPass
+from tpfuse.compiler.vllm_sites import op_name
+
+HIDDEN, EPS = 64, 1e-6
+FUSED = torch.ops.tpfuse.allreduce_add_rmsnorm.default
+SCHEMAS = {
+    ("vllm", "all_reduce"): "all_reduce(Tensor tensor, str group_name) -> Tensor",
+    ("vllm_ir", "rms_norm"): "rms_norm(Tensor x, Tensor? weight, float epsilon, SymInt? variance_size=None) -> Tensor",
+    ("vllm_ir", "fused_add_rms_norm"): ("fused_add_rms_norm(Tensor x, Tensor x_residual, Tensor? weight, float epsilon, "
+                                        "SymInt? variance_size=None) -> (Tensor, Tensor)"),
+}
+_libraries = []
+
+
+def _vllm_ops():
+    """vLLM's three ops: vLLM's own where it is installed, else stand-ins with their schemas."""
+    try:
+        import vllm._custom_ops  # noqa: F401
+        import vllm.distributed.parallel_state  # noqa: F401  (registers vllm::all_reduce)
+        import vllm.ir.ops  # noqa: F401
+    except ImportError:
+        pass
+    for (namespace, name), schema in SCHEMAS.items():
+        if hasattr(getattr(torch.ops, namespace), name):
+            continue
+        library = torch.library.Library(namespace, "FRAGMENT")
+        library.define(schema)
+        _libraries.append(library)
+        if name == "fused_add_rms_norm":
+            impl = lambda x, r, w, eps, variance_size=None: (torch.empty_like(x), torch.empty_like(x))  # noqa: E731
+        else:
+            impl = lambda x, *args, **kwargs: torch.empty_like(x)  # noqa: E731
+        library.impl(name, impl, "CompositeExplicitAutograd")
+    return torch.ops.vllm.all_reduce, torch.ops.vllm_ir.fused_add_rms_norm, torch.ops.vllm_ir.rms_norm
+
+
+def vllm_graph(model, *inputs) -> torch.fx.Graph:
+    """``model`` traced as vLLM's post-grad graph holds it: its ops opaque, the token count (the first
+    dimension of 2-D inputs) symbolic, every other size static."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def fake(t):
+        sizes = [DimDynamic.DYNAMIC if t.dim() == 2 and i == 0 and t.shape[1] != t.shape[0] else DimDynamic.STATIC
+                 for i in range(t.dim())]
+        return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+
+    with mode:
+        return make_fx(model, tracing_mode="fake")(*map(fake, inputs)).graph
+
+
+def decoder(group="tp:0"):
+    """Two layers of a vLLM decoder as the graph has them: the embedding's all-reduce into the first norm
+    (no residual), then attention and MLP outputs into ``fused_add_rms_norm``, the model's last norm after."""
+    all_reduce, add_norm, norm = _vllm_ops()
+
+    def forward(emb, w_in, w_out, *weights):
+        s = all_reduce(emb, group)
+        out, residual = norm(s, weights[0], EPS), s
+        for weight in weights[1:]:
+            partial = (out @ w_in) @ w_out  # a layer's row-parallel output
+            out, residual = add_norm(all_reduce(partial, group), residual, weight, EPS)
+        return out
+
+    return forward
+
+
+def inputs(tokens=6, norms=4):
+    emb = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16)
+    w_in, w_out = (torch.randn(HIDDEN, HIDDEN, dtype=torch.bfloat16) for _ in range(2))
+    return (emb, w_in, w_out) + tuple(torch.randn(HIDDEN, dtype=torch.bfloat16) for _ in range(norms))
+
+
+def targets(graph: torch.fx.Graph) -> list:
+    return [op_name(n) or n.target for n in graph.nodes if n.op == "call_function"]
+
+
+def test_every_site_of_a_decoder_fuses_whole():
+    graph = vllm_graph(decoder(), *inputs())
+    fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
+    fusion(graph)
+    left = [t for t in targets(graph) if str(t).startswith(("vllm::", "vllm_ir::"))]
+    assert left == [], f"vLLM ops left beside the fused op: {left}"
+    fused = [n for n in graph.nodes if n.target is FUSED]
+    assert len(fused) == 4 and fusion.fused_sites == 4 and fusion.unfused_sites == 0
+    assert [n.args[1] is None for n in fused] == [True, False, False, False]  # the embedding has no residual
+    assert all(n.args[4] == "7" and n.args[3] == EPS for n in fused)  # the c10d group, vLLM's eps
+    # Each layer's residual is the h of the fused op before it (through the op's reshapes).
+    for before, after in zip(fused, fused[1:]):
+        residual = after.args[1]
+        while residual.target is torch.ops.aten.reshape.default:
+            residual = residual.args[0]
+        assert residual.target is operator.getitem and residual.args == (before, 1)
+
+
+def test_the_model_output_is_the_last_fused_norm():
+    graph = vllm_graph(decoder(), *inputs(norms=2))
+    FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})(graph)
+    output = next(n for n in graph.nodes if n.op == "output").args[0]
+    node = output[0] if isinstance(output, (tuple, list)) else output
+    while node.target is torch.ops.aten.reshape.default:
+        node = node.args[0]
+    assert node.target is operator.getitem and node.args[0].target is FUSED and node.args[1] == 0
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("over the limit", "token range up to 128 exceeds the fusion limit 64"),
+    ("no bound", "unbounded"),
+    ("unknown group", "has no process group known to the pass"),
+    ("no communicator", "has no tpfuse communicator"),
+])
+def test_sites_that_cannot_fuse_stay_vllms_and_say_why(case, reason):
+    graph = vllm_graph(decoder(), *inputs(norms=2))
+    before = targets(graph)
+    settings = {"over the limit": dict(max_tokens=128, fusion_limit=64, vllm_groups={"tp:0": "7"}),
+                "no bound": dict(fusion_limit=64, vllm_groups={"tp:0": "7"}),
+                "unknown group": dict(max_tokens=32, fusion_limit=64),
+                "no communicator": dict(max_tokens=32, vllm_groups={"tp:0": "7"})}[case]
+    fusion = FusionPass(**settings)
+    fusion(graph)
+    assert targets(graph) == before
+    sites = fusion.reports[-1]
+    assert len(sites) == 2 and not any(s.fused for s in sites)
+    assert all(reason in s.reason for s in sites), [s.reason for s in sites]
+    assert sites[0].group_name == "tp:0"
+
+
+def test_an_all_reduce_without_a_norm_after_it_says_where_it_goes():
+    all_reduce, _, _ = _vllm_ops()
+    graph = vllm_graph(lambda x: all_reduce(x, "tp:0") * 2, torch.randn(4, HIDDEN, dtype=torch.bfloat16))
+    fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
+    fusion(graph)
+    (site,) = fusion.reports[-1]
+    assert not site.fused and "no vLLM RMSNorm follows the all-reduce; its result goes to aten::mul" in site.reason
+
+
+def test_a_sum_read_besides_the_residual_add_is_not_fused():
+    all_reduce, add_norm, _ = _vllm_ops()
+
+    def forward(x, residual, weight):
+        s = all_reduce(x, "tp:0")
+        out, h = add_norm(s, residual, weight, EPS)
+        return out, h, s * 2  # the pre-add sum has another user: the op cannot give it
+
+    graph = vllm_graph(forward, *(torch.randn(4, HIDDEN, dtype=torch.bfloat16) for _ in range(2)),
+                       torch.randn(HIDDEN, dtype=torch.bfloat16))
+    fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
+    fusion(graph)
+    (site,) = fusion.reports[-1]
+    assert not site.fused and "has users besides vLLM's fused_add_rms_norm" in site.reason
+
+
+@pytest.mark.parametrize("hidden, dtype, reason", [(60, torch.bfloat16, "hidden size 60 is not supported"),
+                                                   (HIDDEN, torch.float32, "is not supported by the kernels")])
+def test_sizes_and_dtypes_the_kernels_lack_are_named(hidden, dtype, reason):
+    all_reduce, _, norm = _vllm_ops()
+    graph = vllm_graph(lambda x, w: norm(all_reduce(x, "tp:0"), w, EPS), torch.randn(4, hidden, dtype=dtype),
+                       torch.randn(hidden, dtype=dtype))
+    fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
+    fusion(graph)
+    (site,) = fusion.reports[-1]
+    assert not site.fused and reason in site.reason

@@ -1,0 +1,75 @@
+"""vLLM itself at TP=2 on CPU ranks (its CPU build, in .venv-vllm) with tpfuse's plugin, against vLLM alone.
+
+Each run is a process of vLLM's (``python -m tpfuse.testing.vllm_cpu``): two gloo workers, Inductor
+with vLLM's piecewise backend and compile ranges (made to compile as on GPUs by the test scaffolding in
+``tpfuse.testing.vllm_cpu``), tpfuse's kernels in Triton's interpreter. tpfuse's limit is set to 32
+tokens so that both of vLLM's compile ranges are exercised: forwards of up to 32 tokens fuse every
+all-reduce site, larger ones none.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+LIMIT = 32
+LAYERS = 2  # tpfuse.testing.vllm_cpu.TINY_SIZES
+SITES = 2 * LAYERS + 1  # each layer's attention and MLP, and the embedding's all-reduce into the first norm
+NEAR_TIE = 0.25  # nats between the two best tokens where bf16 rounding may swap them
+LOGPROB_TOLERANCE = 0.1  # nats: the best token's logprob, tpfuse against vLLM alone (seen: 0.03)
+ENV = {"TRITON_INTERPRET": "1", "TPFUSE_VLLM_CPU_GRAPHS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+       "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_DISABLE_COMPILE_CACHE": "1",
+       "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # the stats RPC sends a function to the workers
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> pathlib.Path:
+    """.venv-vllm's Python (made by scripts/setup_venv.sh vllm on first use: about 2 minutes)."""
+    subprocess.run(["bash", "scripts/setup_venv.sh", "vllm"], cwd=ROOT, check=True, timeout=600)
+    return ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def run_vllm(python: pathlib.Path, model: str, tpfuse: bool, out: pathlib.Path) -> dict:
+    command = [str(python), "-m", "tpfuse.testing.vllm_cpu", "--model", model, "--max-tokens", str(LIMIT),
+               "--out", str(out)] + (["--tpfuse"] if tpfuse else [])
+    # A fresh Inductor cache: the pass runs (and reports) instead of Inductor serving an earlier run's graph.
+    env = {**os.environ, **ENV, "TORCHINDUCTOR_CACHE_DIR": str(out.with_suffix(".inductor"))}
+    done = subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    return {**json.loads(out.read_text()), "log": done.stdout + done.stderr}
+
+
+def first_parting(a: list, b: list) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+@pytest.mark.parametrize("model", ["llama", pytest.param("qwen3", marks=pytest.mark.extended)])
+def test_vllm_generates_with_every_site_under_the_limit_fused(model, vllm_python, tmp_path):
+    alone = run_vllm(vllm_python, model, tpfuse=False, out=tmp_path / "alone.json")
+    fused = run_vllm(vllm_python, model, tpfuse=True, out=tmp_path / "fused.json")
+
+    # Every rank: one fused call per site in a forward under the limit, none over it; vLLM alone, none.
+    for rank, counts in enumerate(fused["forward of 4 tokens"]):
+        assert counts == {"rank": rank, "triton.oneshot": SITES}, counts
+    assert fused["forward of 40 tokens"] == [{"rank": 0}, {"rank": 1}]
+    assert alone["forward of 4 tokens"] == [{"rank": 0}, {"rank": 1}]
+    assert "tpfuse: fused" in fused["log"] and "not fused" not in fused["log"], "a site stayed vLLM's"
+
+    # Greedy tokens: equal, or parting only where vLLM alone had a near-tie (tpfuse sums in fp32 where
+    # vLLM rounds the all-reduce to bf16 first, and applies the norm weight before rounding).
+    for prompt, (ours, theirs) in enumerate(zip(fused["tokens"], alone["tokens"])):
+        step = first_parting(ours, theirs)
+        for i in range(len(ours) if step is None else step):  # the same prefix: the best token's logprobs agree
+            ours_lp, theirs_lp = fused["top"][prompt][i][0][1], alone["top"][prompt][i][0][1]
+            assert abs(ours_lp - theirs_lp) < LOGPROB_TOLERANCE, (prompt, i, ours_lp, theirs_lp)
+        if step is not None:  # vLLM's own logprob of tpfuse's token: within a near-tie of its best
+            theirs_lp = dict(alone["top"][prompt][step])
+            best = max(theirs_lp.values())
+            assert best - theirs_lp.get(ours[step], float("-inf")) < NEAR_TIE, (
+                f"prompt {prompt} parts at step {step}: tpfuse chose {ours[step]}, vLLM {theirs[step]} "
+                f"with its best {alone['top'][prompt][step]}: not a near-tie")
