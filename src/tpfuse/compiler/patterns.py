@@ -113,6 +113,18 @@ class Match:
         """The site's token count: an int, or a sympy expression of the graph's size symbols."""
         return token_count(meta_val(self.h).shape)
 
+def token_limit_problem(m: Match, token_bound, fusion_limit: int, how_to_bound: str) -> str | None:
+    """Why the site may run with more tokens than ``fusion_limit`` (None: it may not); ``token_bound`` as
+    for :meth:`FusionPattern.extra_check`, ``how_to_bound`` what gives a graph a bound (for the reason)."""
+    tokens = m.tokens
+    bound = tokens if isinstance(tokens, int) else token_bound(tokens)
+    if bound is None:
+        return f"the token count {tokens} of this graph is unbounded ({how_to_bound})"
+    if bound > fusion_limit:
+        return f"token range up to {bound} exceeds the fusion limit {fusion_limit}"
+    return None
+
+
 class FusionPattern:
     """Base of the pattern classes: a subclass says which steps its site has, each one required.
 
@@ -293,13 +305,7 @@ class FusionPattern:
             if any(static_int(s) is None and _size_source(m.all_reduce.graph, s, m) is None
                    for s in meta_val(node).shape):
                 return f"no input of the graph carries the sizes of {tuple(meta_val(node).shape)}"
-        tokens = m.tokens
-        bound = tokens if isinstance(tokens, int) else token_bound(tokens)
-        if bound is None:
-            return f"the token count {tokens} of this graph is unbounded (compile with tpfuse.compile)"
-        if bound > fusion_limit:
-            return f"token range up to {bound} exceeds the fusion limit {fusion_limit}"
-        return None
+        return token_limit_problem(m, token_bound, fusion_limit, "compile with tpfuse.compile")
 
     @classmethod
     def replace(cls, graph: Graph, m: Match) -> None:

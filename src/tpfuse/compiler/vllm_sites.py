@@ -25,8 +25,8 @@ import torch
 from torch.fx import Graph, Node
 
 from tpfuse.compiler.matchers import meta_val
-from tpfuse.compiler.patterns import PATTERNS, Match, site_problem
-from tpfuse.compiler.sizes import describe_shape, static_int, token_count
+from tpfuse.compiler.patterns import PATTERNS, Match, site_problem, token_limit_problem
+from tpfuse.compiler.sizes import describe_shape, static_int
 
 ALL_REDUCE = "vllm::all_reduce"
 ADD_NORM = "vllm_ir::fused_add_rms_norm"
@@ -78,7 +78,8 @@ def _output(graph: Graph, node: Node, index: int) -> Node:
 
 def find_site(all_reduce: Node, group_name: str) -> tuple[Match | None, str | None]:
     """(the site as a :class:`Match` in the c10d group ``group_name``, None) or (None, why it cannot fuse),
-    before the fusion limit (:func:`limit_problem`)."""
+    before the fusion limit (:func:`limit_problem`). A norm's outputs that nothing reads get a
+    ``getitem`` node (the match names both); one the site does not fuse leaves it to dead-code removal."""
     x = all_reduce.args[0]
     val = meta_val(all_reduce)
     if not isinstance(val, torch.Tensor) or val.dim() < 1 or static_int(val.shape[-1]) is None:
@@ -132,13 +133,7 @@ def limit_problem(match: Match, token_bound, fusion_limit: int) -> str | None:
     if fusion_limit <= 0:
         return (f"group {match.group_name!r} has no tpfuse communicator that can fuse {match.hidden} x {dtype} "
                 "(is tpfuse's vLLM plugin installed? it creates the communicator)")
-    tokens = token_count(meta_val(match.x).shape)
-    bound = tokens if isinstance(tokens, int) else token_bound(tokens)
-    if bound is None:
-        return f"the token count {tokens} of this graph is unbounded (no compile range)"
-    if bound > fusion_limit:
-        return f"token range up to {bound} exceeds the fusion limit {fusion_limit}"
-    return None
+    return token_limit_problem(match, token_bound, fusion_limit, "no compile range")
 
 
 def replace(match: Match) -> str:

@@ -74,7 +74,7 @@ def fusion_applies(batch_size: int) -> bool:
     communicator fuses, where SGLang's attention is not data-parallel."""
     from sglang.srt.layers.dp_attention import is_dp_attention_enabled
 
-    if batch_size <= 0 or is_dp_attention_enabled():
+    if not _limits or batch_size <= 0 or is_dp_attention_enabled():  # no communicator made (yet)
         return False
     return batch_size <= _limits.get(_fusion_group(use_attn_tp_group=True).group_name, 0)
 
