@@ -173,3 +173,19 @@ def test_sizes_and_dtypes_the_kernels_lack_are_named(hidden, dtype, reason):
     fusion(graph)
     (site,) = fusion.reports[-1]
     assert not site.fused and reason in site.reason
+
+
+def test_gemmas_fp32_weight_plus_one_fuses():
+    """vLLM's GemmaRMSNorm hands its IR ops ``weight.float() + 1``: an fp32 weight, applied in fp32 as
+    the kernels apply it."""
+    all_reduce, add_norm, _ = _vllm_ops()
+
+    def forward(x, residual, weight):
+        return add_norm(all_reduce(x, "tp:0"), residual, weight.float() + 1.0, EPS)
+
+    graph = vllm_graph(forward, *(torch.randn(4, HIDDEN, dtype=torch.bfloat16) for _ in range(2)),
+                       torch.randn(HIDDEN, dtype=torch.bfloat16))
+    fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
+    fusion(graph)
+    (fused,) = [n for n in graph.nodes if n.target is FUSED]
+    assert fusion.fused_sites == 1 and fused.args[2].meta["val"].dtype == torch.float32
