@@ -58,14 +58,36 @@ def vllm_graph(model, *inputs) -> torch.fx.Graph:
                  for i in range(t.dim())]
         return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
 
-    with mode:
-        return make_fx(model, tracing_mode="fake")(*map(fake, inputs)).graph
+    from torch._inductor.decomposition import select_decomp_table
+
+    with mode:  # Inductor's decompositions, as its post-grad graph has them (casts as convert_element_type)
+        return make_fx(model, tracing_mode="fake", decomposition_table=select_decomp_table())(*map(fake, inputs)).graph
 
 
-def decoder(group="tp:0"):
+def native_norm(x, weight, eps):
+    """vLLM's ``rms_norm`` as its native implementation writes it (traced where its IR ops are off)."""
+    orig = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (x.to(weight.dtype) * weight).to(orig)
+
+
+def native_add_norm(x, residual, weight, eps):
+    """vLLM's ``fused_add_rms_norm``, native: the residual added in fp32, the norm of that fp32 row."""
+    orig = x.dtype
+    x = x.to(torch.float32) + residual.to(torch.float32)
+    residual = x.to(orig)
+    x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (x.to(weight.dtype) * weight).to(orig), residual
+
+
+def decoder(group="tp:0", ir=True):
     """Two layers of a vLLM decoder as the graph has them: the embedding's all-reduce into the first norm
-    (no residual), then attention and MLP outputs into ``fused_add_rms_norm``, the model's last norm after."""
+    (no residual), then attention and MLP outputs into ``fused_add_rms_norm``, the model's last norm after;
+    ``ir``: vLLM's IR norms, else the norms traced (``native_norm``, ``native_add_norm``)."""
     all_reduce, add_norm, norm = _vllm_ops()
+    if not ir:
+        add_norm, norm = native_add_norm, native_norm
 
     def forward(emb, w_in, w_out, *weights):
         s = all_reduce(emb, group)
@@ -88,12 +110,14 @@ def targets(graph: torch.fx.Graph) -> list:
     return [op_name(n) or n.target for n in graph.nodes if n.op == "call_function"]
 
 
-def test_every_site_of_a_decoder_fuses_whole():
-    graph = vllm_graph(decoder(), *inputs())
+@pytest.mark.parametrize("ir", [True, False], ids=["ir-norms", "traced-norms"])
+def test_every_site_of_a_decoder_fuses_whole(ir):
+    graph = vllm_graph(decoder(ir=ir), *inputs())
     fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
     fusion(graph)
-    left = [t for t in targets(graph) if str(t).startswith(("vllm::", "vllm_ir::"))]
-    assert left == [], f"vLLM ops left beside the fused op: {left}"
+    norm_ops = {torch.ops.aten.rsqrt.default, torch.ops.aten.mean.dim, torch.ops.aten.pow.Tensor_Scalar}
+    left = [t for t in targets(graph) if str(t).startswith(("vllm::", "vllm_ir::")) or t in norm_ops]
+    assert left == [], f"vLLM ops or a norm's steps left beside the fused op: {left}"
     fused = [n for n in graph.nodes if n.target is FUSED]
     assert len(fused) == 4 and fusion.fused_sites == 4 and fusion.unfused_sites == 0
     assert [n.args[1] is None for n in fused] == [True, False, False, False]  # the embedding has no residual
@@ -106,8 +130,9 @@ def test_every_site_of_a_decoder_fuses_whole():
         assert residual.target is operator.getitem and residual.args == (before, 1)
 
 
-def test_the_model_output_is_the_last_fused_norm():
-    graph = vllm_graph(decoder(), *inputs(norms=2))
+@pytest.mark.parametrize("ir", [True, False], ids=["ir-norms", "traced-norms"])
+def test_the_model_output_is_the_last_fused_norm(ir):
+    graph = vllm_graph(decoder(ir=ir), *inputs(norms=2))
     FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})(graph)
     output = next(n for n in graph.nodes if n.op == "output").args[0]
     node = output[0] if isinstance(output, (tuple, list)) else output

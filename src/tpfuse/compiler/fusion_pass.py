@@ -200,11 +200,13 @@ class FusionPass(CustomGraphPass):
                 f"vLLM group {group_name!r} has no process group known to the pass (tpfuse.engines.vllm "
                 "resolves vLLM's groups in its workers)"))
         match, reason = vllm_sites.find_site(node, self.vllm_groups[group_name])
-        if match is not None:
-            reason = vllm_sites.limit_problem(match, self._token_bound, self._fusion_limit(match))
+        pattern = vllm_sites.pattern_of(match) if match is not None else None
+        if pattern is not None:
+            reason = pattern.extra_check(match, self._token_bound, self._fusion_limit(match))
         if reason is not None:
-            return SiteReport(shape, dtype, group_name, False, reason=reason)
-        return SiteReport(shape, dtype, group_name, True, vllm_sites.replace(match))
+            return SiteReport(shape, dtype, group_name, False, pattern and pattern.__name__, reason)
+        pattern.replace(node.graph, match)
+        return SiteReport(shape, dtype, group_name, True, pattern.__name__)
 
     def uuid(self) -> str:
         # Inductor's cache key: everything the pass's decisions depend on, stable across runs (the

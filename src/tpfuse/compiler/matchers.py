@@ -97,12 +97,18 @@ def is_row_vector(node: object, hidden: int) -> bool:
             and val.numel() == hidden)
 
 
-def match_rmsnorm(h: Node, quantised: bool = False) -> tuple[Node, Node, float, list[Node]] | None:
+def match_rmsnorm(h: Node, quantised: bool = False, dtype: torch.dtype | None = None,
+                  ) -> tuple[Node, Node, float, list[Node]] | None:
     """(out, weight, eps, internal nodes) of an RMSNorm of ``h`` in any supported style, or None.
-    ``quantised``: fp8 follows, and ``out`` may be the fp32 result (see :func:`_cast_back`)."""
-    dtype = meta_val(h).dtype
-    # gpt-fast writes x.float() twice; the post-grad graph may keep both casts.
-    casts = converts_to(h, torch.float32)
+    ``quantised``: fp8 follows, and ``out`` may be the fp32 result (see :func:`_cast_back`). ``dtype``:
+    the activations' dtype when ``h`` is an fp32 row the norm reads as it is (vLLM's native norm adds
+    the residual in fp32); by default ``h``'s own, which the norm casts to fp32 first."""
+    if dtype is not None and meta_val(h).dtype == torch.float32:
+        casts = [h]
+    else:
+        dtype = meta_val(h).dtype
+        # gpt-fast writes x.float() twice; the post-grad graph may keep both casts.
+        casts = converts_to(h, torch.float32)
     for c in casts:
         for p in c.users:
             squares = (is_call(p, aten.pow.Tensor_Scalar) and p.args[1] == 2

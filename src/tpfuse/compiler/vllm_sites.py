@@ -7,6 +7,10 @@ until after the custom post-grad passes; what the fusion pass sees at a block en
     out, h = vllm_ir.fused_add_rms_norm(s, residual, weight, eps)     # vLLM's GroupCoordinator
     out = vllm_ir.rms_norm(s, weight, eps)                            # no residual: h is s itself
 
+or, without vLLM's IR ops (``ir_enable_torch_wrap=False``, vLLM before its IR), the same norm traced::
+
+    h32 = s.float() + residual.float();  out = (rmsnorm(h32)).to(bf16) * weight;  h = h32.to(bf16)
+
 After::
 
     out, h = tpfuse.allreduce_add_rmsnorm(x, residual or None, weight, eps, "<the TP group's c10d name>")
@@ -24,8 +28,10 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
-from tpfuse.compiler.matchers import meta_val
-from tpfuse.compiler.patterns import PATTERNS, Match, site_problem, token_limit_problem
+from tpfuse.compiler.matchers import (
+    converts_to, is_add, is_call, match_rmsnorm, meta_val, only_user, other_arg, prims,
+)
+from tpfuse.compiler.patterns import PATTERNS, FusionPattern, Match, site_problem
 from tpfuse.compiler.sizes import describe_shape, static_int
 
 ALL_REDUCE = "vllm::all_reduce"
@@ -63,81 +69,117 @@ def _arg(node: Node, index: int, name: str, default=None):
 
 
 def _output(graph: Graph, node: Node, index: int) -> Node:
-    """The one ``getitem(node, index)``: duplicates merged, made when no user reads that output."""
+    """The one ``node[index]`` (a tuple-valued op's output)."""
     found = [u for u in node.users if u.target is operator.getitem and u.args[1] == index]
+    return _the_one(graph, node, found, operator.getitem, (node, index), meta_val(node)[index])
+
+
+def _cast(graph: Graph, node: Node, dtype: torch.dtype) -> Node:
+    """The one ``node.to(dtype)``."""
+    return _the_one(graph, node, converts_to(node, dtype), prims.convert_element_type.default, (node, dtype),
+                    meta_val(node).to(dtype))
+
+
+def _the_one(graph: Graph, node: Node, found: list[Node], target, args: tuple, val) -> Node:
+    """``found[0]`` with the other nodes of ``found`` (equal to it) merged into it; when ``found`` is
+    empty, ``target(*args)`` made after ``node``, its value ``val``."""
     for extra in found[1:]:
         extra.replace_all_uses_with(found[0])
         graph.erase_node(extra)
     if found:
         return found[0]
     with graph.inserting_after(node):
-        item = graph.call_function(operator.getitem, (node, index))
-    item.meta["val"] = meta_val(node)[index]
-    return item
+        made = graph.call_function(target, args)
+    made.meta["val"] = val
+    return made
 
 
 def find_site(all_reduce: Node, group_name: str) -> tuple[Match | None, str | None]:
-    """(the site as a :class:`Match` in the c10d group ``group_name``, None) or (None, why it cannot fuse),
-    before the fusion limit (:func:`limit_problem`). A norm's outputs that nothing reads get a
-    ``getitem`` node (the match names both); one the site does not fuse leaves it to dead-code removal."""
-    x = all_reduce.args[0]
+    """(the site as a :class:`Match` in the c10d group ``group_name``, None) or (None, why no site starts
+    here); the pattern's ``extra_check`` then says whether it may fuse (:func:`pattern_of`). A norm's
+    outputs that nothing reads get a node (the match names both); a site that does not fuse leaves it
+    to dead-code removal."""
     val = meta_val(all_reduce)
     if not isinstance(val, torch.Tensor) or val.dim() < 1 or static_int(val.shape[-1]) is None:
         return None, "the hidden size (last dimension) is dynamic"
     hidden = static_int(val.shape[-1])
     problem = site_problem("sum", hidden, val.dtype)
-    if problem is not None:
+    if problem is not None:  # said first: an fp32 model's norm has no casts, so no norm is found either
         return None, problem
     users = list(all_reduce.users)
     # vLLM passes the new sum first and the residual second; a sum that is some later add's residual
     # (the embedding's, read by the first norm and the next layer's add) is a site of the norm.
     norms = [u for u in users if op_name(u) == NORM and u.args[0] is all_reduce]
     add_norms = [u for u in users if op_name(u) == ADD_NORM and all_reduce in u.args[:(1 if norms else 2)]]
-    if add_norms:
-        norm = add_norms[0]
-        if len(users) != 1:
+    if add_norms or norms:
+        return _ir_site(all_reduce, group_name, hidden, add_norms[0] if add_norms else norms[0])
+    match = _native_site(all_reduce, group_name, hidden)
+    if match is not None:
+        return match, None
+    targets = ", ".join(op_name(u) or str(getattr(u.target, "__name__", u.target)) for u in users)
+    return None, f"no vLLM RMSNorm follows the all-reduce; its result goes to {targets or 'nothing'}"
+
+
+def _ir_site(all_reduce: Node, group_name: str, hidden: int, norm: Node) -> tuple[Match | None, str | None]:
+    """The site of vLLM's IR norm ``norm`` (``fused_add_rms_norm`` or ``rms_norm``) of the sum."""
+    x, val = all_reduce.args[0], meta_val(all_reduce)
+    if op_name(norm) == ADD_NORM:
+        if len(all_reduce.users) != 1:
             return None, ("the all-reduce's result has users besides vLLM's fused_add_rms_norm (the fused "
                           "op gives the sum only after the residual add)")
         residual = norm.args[1] if norm.args[0] is all_reduce else norm.args[0]
         weight, eps, variance_size = _arg(norm, 2, "weight"), _arg(norm, 3, "epsilon"), _arg(norm, 4, "variance_size")
-    elif norms:
-        norm, residual = norms[0], None
-        weight, eps, variance_size = _arg(norm, 1, "weight"), _arg(norm, 2, "epsilon"), _arg(norm, 3, "variance_size")
     else:
-        targets = ", ".join(op_name(u) or str(getattr(u.target, "__name__", u.target)) for u in users)
-        return None, f"no vLLM RMSNorm follows the all-reduce; its result goes to {targets or 'nothing'}"
+        residual = None
+        weight, eps, variance_size = _arg(norm, 1, "weight"), _arg(norm, 2, "epsilon"), _arg(norm, 3, "variance_size")
     if weight is None:
         return None, "vLLM's norm has no weight"
     if variance_size is not None:
         return None, "vLLM's norm takes its variance over part of the row (variance_size)"
-    w = meta_val(weight)
-    if not isinstance(w, torch.Tensor) or tuple(w.shape) != (hidden,) or w.dtype not in (val.dtype, torch.float32):
-        return None, "the norm weight is not a [hidden] tensor of the input's dtype or float32"
-    if residual is not None:
-        r = meta_val(residual)
-        if not isinstance(r, torch.Tensor) or r.dtype != val.dtype or tuple(r.shape) != tuple(val.shape):
-            return None, "the residual is not a tensor of the all-reduce's dtype and shape"
     graph = all_reduce.graph
     if residual is None:  # h is the sum itself; its other users read the op's h
-        out, h, internal = norm, all_reduce, []
+        match = Match(all_reduce, x, group_name, "sum", all_reduce, norm, weight, float(eps), hidden)
     else:
-        out, h, internal = _output(graph, norm, 0), _output(graph, norm, 1), [all_reduce, norm]
-    return Match(all_reduce, x, group_name, "sum", h, out, weight, float(eps), hidden, residual=residual,
-                 internal=internal), None
+        match = Match(all_reduce, x, group_name, "sum", _output(graph, norm, 1), _output(graph, norm, 0), weight,
+                      float(eps), hidden, residual=residual, internal=[all_reduce, norm])
+        r = meta_val(residual)
+        if not isinstance(r, torch.Tensor) or r.dtype != val.dtype or tuple(r.shape) != tuple(val.shape):
+            match.problem = "the residual is not a tensor of the all-reduce's dtype and shape"
+    return match, None
 
 
-def limit_problem(match: Match, token_bound, fusion_limit: int) -> str | None:
-    """Why the site's token count may exceed what its group can fuse (None: it may not);
-    ``token_bound(tokens)`` as for ``FusionPattern.extra_check``."""
-    dtype = meta_val(match.x).dtype
-    if fusion_limit <= 0:
-        return (f"group {match.group_name!r} has no tpfuse communicator that can fuse {match.hidden} x {dtype} "
-                "(is tpfuse's vLLM plugin installed? it creates the communicator)")
-    return token_limit_problem(match, token_bound, fusion_limit, "no compile range")
+def _native_site(all_reduce: Node, group_name: str, hidden: int) -> Match | None:
+    """The site of vLLM's norm traced as aten ops (vLLM's graphs without its IR ops): the residual added
+    in fp32 (``sum.float() + residual.float()``), the norm of that fp32 row, the weight after the cast
+    back, and the new residual as the fp32 row cast back (wherever the graph has it; made if nowhere);
+    or no residual: the norm of the sum, which stays the residual."""
+    x, dtype = all_reduce.args[0], meta_val(all_reduce).dtype
+    norm = match_rmsnorm(all_reduce)
+    if norm is not None:  # the sum normed as it is; it stays the residual (the embedding's)
+        out, weight, eps, internal = norm
+        # The sum's fp32 cast may also be the next layer's residual cast (one node after CSE): it stays
+        # and reads the op's h, which the sum's other users read too.
+        internal = [n for n in internal
+                    if not (is_call(n, prims.convert_element_type.default) and n.args[0] is all_reduce)]
+        return Match(all_reduce, x, group_name, "sum", all_reduce, out, weight, eps, hidden, internal=internal)
+    # Else the sum is read only through its fp32 cast, added to the residual's (the add is symmetric: the
+    # sum is the side whose only reader it is; an earlier sum that is this add's residual is read twice).
+    cast = only_user(all_reduce)
+    add = only_user(cast) if cast in converts_to(all_reduce, torch.float32) else None
+    if not is_add(add):
+        return None
+    other = other_arg(add, cast)
+    if not (is_call(other, prims.convert_element_type.default) and meta_val(other.args[0]).dtype == dtype):
+        return None
+    norm = match_rmsnorm(add, dtype=dtype)
+    if norm is None:
+        return None
+    out, weight, eps, internal = norm
+    own = [all_reduce, cast] + ([other] if len(other.users) == 1 else [])
+    return Match(all_reduce, x, group_name, "sum", _cast(all_reduce.graph, add, dtype), out, weight, eps, hidden,
+                 residual=other.args[0], internal=own + [add] + internal)
 
 
-def replace(match: Match) -> str:
-    """Rewrite a found site to the fused op; returns the pattern's name. The caller re-sorts the graph."""
-    pattern = _WITH_RESIDUAL if match.residual is not None else _WITHOUT
-    pattern.replace(match.all_reduce.graph, match)
-    return pattern.__name__
+def pattern_of(match: Match) -> type[FusionPattern]:
+    """The pattern whose checks and replacement serve a vLLM site: with a residual or without."""
+    return _WITH_RESIDUAL if match.residual is not None else _WITHOUT

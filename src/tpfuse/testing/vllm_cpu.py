@@ -2,7 +2,7 @@
 
 Out of the box vLLM's CPU platform replaces ``VLLM_COMPILE`` with one plain ``torch.compile`` (no pass
 manager, no compile ranges, the CPU's in-place shared-memory all-reduce in the graph). With
-``TPFUSE_VLLM_CPU_GRAPHS=1`` this plugin (entry point ``tpfuse_cpu_graphs``, loaded by vLLM in every
+``TPFUSE_VLLM_CPU_GRAPHS=1`` (or ``traced``) this plugin (entry point ``tpfuse_cpu_graphs``, loaded by vLLM in every
 process) undoes that, so tpfuse's vLLM tests see GPU-shaped graphs on CPU ranks: vLLM's piecewise
 backend, its post-grad pass manager and compile ranges, ``vllm.all_reduce`` and the ``vllm_ir`` norms.
 Details: shared/notes/vllm-on-cpu.md.
@@ -13,6 +13,9 @@ from __future__ import annotations
 import os
 
 ENV = "TPFUSE_VLLM_CPU_GRAPHS"
+#: Its values: "1", vLLM's norms as its IR ops (the default with Inductor on GPUs); "traced", as aten ops
+#: (``ir_enable_torch_wrap=False``, and vLLM before its IR).
+GRAPHS = ("1", "traced")
 # CUDA-only ops vLLM's FixFunctionalizationPass names; the CPU build lacks them (stubs, never called).
 _CUDA_ONLY_OPS = ("fused_add_rms_norm_static_fp8_quant", "rms_norm_dynamic_per_token_quant",
                   "rms_norm_static_fp8_quant", "silu_and_mul_quant", "fused_qk_norm_rope")
@@ -20,13 +23,14 @@ _stubs = None
 
 
 def register() -> None:
-    """vLLM plugin entry point: on the CPU platform with ``$TPFUSE_VLLM_CPU_GRAPHS`` = 1, restore
-    ``VLLM_COMPILE`` with Inductor, vLLM's IR ops and its custom-op collectives."""
+    """vLLM plugin entry point: on the CPU platform with ``$TPFUSE_VLLM_CPU_GRAPHS`` set (:data:`GRAPHS`),
+    restore ``VLLM_COMPILE`` with Inductor and its custom-op collectives, with or without vLLM's IR ops."""
     global _stubs
     from vllm.platforms import current_platform
 
     platform = type(current_platform)
-    if os.environ.get(ENV) != "1" or not current_platform.is_cpu() or getattr(platform, "_tpfuse_gpu_graphs", False):
+    graphs = os.environ.get(ENV)
+    if graphs not in GRAPHS or not current_platform.is_cpu() or getattr(platform, "_tpfuse_gpu_graphs", False):
         return
     platform._tpfuse_gpu_graphs = True
     from vllm.config import CompilationMode
@@ -40,7 +44,7 @@ def register() -> None:
         if wanted == CompilationMode.VLLM_COMPILE:
             compilation.mode = CompilationMode.VLLM_COMPILE
             compilation.backend = "inductor"
-            compilation.ir_enable_torch_wrap = True
+            compilation.ir_enable_torch_wrap = graphs == "1"
             if compilation.compile_sizes is None:  # the piecewise backend looks sizes up in it
                 compilation.compile_sizes = []
 
