@@ -214,3 +214,65 @@ def test_gemmas_fp32_weight_plus_one_fuses():
     fusion(graph)
     (fused,) = [n for n in graph.nodes if n.target is FUSED]
     assert fusion.fused_sites == 1 and fused.args[2].meta["val"].dtype == torch.float32
+
+
+C_SCHEMAS = {
+    "fused_add_rms_norm_static_fp8_quant": ("(Tensor(a!) result, Tensor input, Tensor(b!) residual, Tensor weight, "
+                                            "Tensor scale, float epsilon) -> ()"),
+    "rms_norm_static_fp8_quant": "(Tensor(a!) result, Tensor input, Tensor weight, Tensor scale, float epsilon) -> ()",
+    "static_scaled_fp8_quant": "(Tensor(a!) result, Tensor input, Tensor scale, int[]? group_shape=None) -> ()",
+}
+
+
+def _vllm_fp8_ops():
+    """vLLM's CUDA static-fp8 ops (the CPU build has none): stand-ins with their schemas, which write nothing."""
+    for name, schema in C_SCHEMAS.items():
+        if not hasattr(torch.ops._C, name):
+            library = torch.library.Library("_C", "FRAGMENT")
+            library.define(name + schema)
+            library.impl(name, lambda *args, **kwargs: None, "CompositeExplicitAutograd")
+            _libraries.append(library)
+    return torch.ops._C
+
+
+@pytest.mark.parametrize("form", ["vllm-fused-add", "vllm-fused", "ir-add-then-quant", "ir-then-quant"])
+def test_static_fp8_as_vllm_writes_it_fuses_whole(form):
+    """vLLM's norm + quant ops (its own fusion ran first) and its custom quant op after an IR norm: one
+    fused op with ``quant_scale``, its fp8 output where vLLM's was, the residual where vLLM's was."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    all_reduce, add_norm, norm = _vllm_ops()
+    ops = _vllm_fp8_ops()
+
+    def forward(x, weight, scale):
+        residual = x * 2  # a [tokens, H] residual with the same symbolic token count, as vLLM's graphs have
+        s = all_reduce(x, "tp:0")
+        q = torch.empty_like(s, dtype=torch.float8_e4m3fn)
+        if form == "vllm-fused-add":
+            _, q, h = auto_functionalized(ops.fused_add_rms_norm_static_fp8_quant.default, result=q, input=s,
+                                          residual=residual, weight=weight, scale=scale, epsilon=EPS)
+            return q, h
+        if form == "vllm-fused":
+            _, q = auto_functionalized(ops.rms_norm_static_fp8_quant.default, result=q, input=s, weight=weight,
+                                       scale=scale, epsilon=EPS)
+            return q, s
+        out, h = add_norm(s, residual, weight, EPS) if form == "ir-add-then-quant" else (norm(s, weight, EPS), s)
+        _, q = auto_functionalized(ops.static_scaled_fp8_quant.default, result=q, input=out, scale=scale,
+                                   group_shape=None)
+        return q, h
+
+    x = torch.randn(6, HIDDEN, dtype=torch.bfloat16)
+    graph = vllm_graph(forward, x, torch.randn(HIDDEN, dtype=torch.bfloat16), torch.ones(1))
+    fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
+    fusion(graph)
+    (site,) = fusion.reports[-1]
+    assert site.fused and site.pattern == ("AllReduceAddRMSNormQuant" if "add" in form else "AllReduceRMSNormQuant")
+    left = [t for t in targets(graph) if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
+    assert left == [], left
+    (fused,) = [n for n in graph.nodes if n.target is FUSED]
+    assert fused.kwargs["quant_scale"].op == "placeholder" and (fused.args[1] is None) == ("add" not in form)
+    outputs = next(n for n in graph.nodes if n.op == "output").args[0]
+    q, h = outputs
+    while q.target is torch.ops.aten.reshape.default:
+        q = q.args[0]
+    assert q.target is operator.getitem and q.args == (fused, 0) and q.meta["val"].dtype == torch.float8_e4m3fn

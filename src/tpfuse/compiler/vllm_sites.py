@@ -11,6 +11,14 @@ or, without vLLM's IR ops (``ir_enable_torch_wrap=False``, vLLM before its IR), 
 
     h32 = s.float() + residual.float();  out = (rmsnorm(h32)).to(bf16) * weight;  h = h32.to(bf16)
 
+and with static fp8 output (one fp32 scale; vLLM's CUDA ops, inside ``auto_functionalized``)::
+
+    q, h = _C.fused_add_rms_norm_static_fp8_quant(s, residual, weight, scale, eps)   # vLLM fused them
+    q = _C.rms_norm_static_fp8_quant(s, weight, scale, eps)
+    q = _C.static_scaled_fp8_quant(out, scale)                                        # after either norm
+
+(the kernels divide by the scale where vLLM's multiply by its reciprocal: one rounding apart).
+
 After::
 
     out, h = tpfuse.allreduce_add_rmsnorm(x, residual or None, weight, eps, "<the TP group's c10d name>")
@@ -37,14 +45,26 @@ from tpfuse.compiler.sizes import describe_shape, static_int
 ALL_REDUCE = "vllm::all_reduce"
 ADD_NORM = "vllm_ir::fused_add_rms_norm"
 NORM = "vllm_ir::rms_norm"
-_WITH_RESIDUAL, _WITHOUT = (next(p for p in PATTERNS if p.__name__ == name)
-                            for name in ("AllReduceAddRMSNorm", "AllReduceRMSNorm"))
+# vLLM's CUDA ops with static fp8 output (in the graph inside auto_functionalized; they write ``result``):
+# the norm and quantisation vLLM fused itself (its norm + quant pass runs before ours), or the
+# quantisation of a norm's output (QuantFP8 as a custom op).
+ADD_NORM_QUANT = "_C::fused_add_rms_norm_static_fp8_quant"  # result, input, residual, weight, scale, epsilon
+NORM_QUANT = "_C::rms_norm_static_fp8_quant"  # result, input, weight, scale, epsilon
+QUANT = "_C::static_scaled_fp8_quant"  # result, input, scale, group_shape
+_PATTERNS = {p.__name__: p for p in PATTERNS}
 
 
 def op_name(node: Node) -> str | None:
     """``namespace::name`` of the operator a node calls (None for anything else)."""
     target = node.target if node.op == "call_function" else None
     return target.name() if isinstance(target, torch._ops.OpOverload) else None
+
+
+def functionalized(node: Node) -> str | None:
+    """``namespace::name`` of the mutating operator an ``auto_functionalized`` node runs (else None)."""
+    if node.op != "call_function" or node.target is not torch.ops.higher_order.auto_functionalized:
+        return None
+    return node.args[0].name() if isinstance(node.args[0], torch._ops.OpOverload) else None
 
 
 def all_reduces(graph: Graph) -> list[Node]:
@@ -80,6 +100,12 @@ def _cast(graph: Graph, node: Node, dtype: torch.dtype) -> Node:
                     meta_val(node).to(dtype))
 
 
+def _drop_unread_outputs(node: Node) -> None:
+    """Remove the ``getitem`` nodes of ``node`` that nothing reads (the op's own ``None`` result)."""
+    for item in [u for u in node.users if u.target is operator.getitem and not u.users]:
+        node.graph.erase_node(item)
+
+
 def _the_one(graph: Graph, node: Node, found: list[Node], target, args: tuple, val) -> Node:
     """``found[0]`` with the other nodes of ``found`` (equal to it) merged into it; when ``found`` is
     empty, ``target(*args)`` made after ``node``, its value ``val``."""
@@ -112,7 +138,11 @@ def find_site(all_reduce: Node, group_name: str) -> tuple[Match | None, str | No
     norms = [u for u in users if op_name(u) == NORM and u.args[0] is all_reduce]
     add_norms = [u for u in users if op_name(u) == ADD_NORM and all_reduce in u.args[:(1 if norms else 2)]]
     if add_norms or norms:
-        return _ir_site(all_reduce, group_name, hidden, add_norms[0] if add_norms else norms[0])
+        match, reason = _ir_site(all_reduce, group_name, hidden, add_norms[0] if add_norms else norms[0])
+        return (_with_quant(match), None) if match is not None else (None, reason)
+    quantised = [u for u in users if functionalized(u) in (NORM_QUANT, ADD_NORM_QUANT) and u.kwargs["input"] is all_reduce]
+    if quantised:
+        return _quantised_site(all_reduce, group_name, hidden, quantised[0])
     match = _native_site(all_reduce, group_name, hidden)
     if match is not None:
         return match, None
@@ -148,6 +178,35 @@ def _ir_site(all_reduce: Node, group_name: str, hidden: int, norm: Node) -> tupl
     return match, None
 
 
+def _quantised_site(all_reduce: Node, group_name: str, hidden: int, fused: Node) -> tuple[Match | None, str | None]:
+    """The site of vLLM's own norm + static fp8 op ``fused`` (auto_functionalized) of the sum."""
+    x, kw = all_reduce.args[0], fused.kwargs
+    graph = all_reduce.graph
+    _drop_unread_outputs(fused)
+    if functionalized(fused) == ADD_NORM_QUANT:
+        if len(all_reduce.users) != 1:
+            return None, ("the all-reduce's result has users besides vLLM's fused_add_rms_norm_static_fp8_quant "
+                          "(the fused op gives the sum only after the residual add)")
+        return Match(all_reduce, x, group_name, "sum", _output(graph, fused, 2), _output(graph, fused, 1),
+                     kw["weight"], float(kw["epsilon"]), hidden, residual=kw["residual"], scale=kw["scale"],
+                     internal=[all_reduce, fused]), None
+    return Match(all_reduce, x, group_name, "sum", all_reduce, _output(graph, fused, 1), kw["weight"],
+                 float(kw["epsilon"]), hidden, scale=kw["scale"], internal=[fused]), None
+
+
+def _with_quant(match: Match) -> Match:
+    """``match`` continued into the static fp8 quantisation of its output, where vLLM's custom quant op
+    (one scale for the tensor) is the output's only user."""
+    quant = next(iter(match.out.users)) if len(match.out.users) == 1 else None
+    if quant is None or functionalized(quant) != QUANT or quant.kwargs["input"] is not match.out \
+            or quant.kwargs.get("group_shape") is not None:
+        return match
+    _drop_unread_outputs(quant)
+    match.internal = match.internal + [match.out, quant]
+    match.scale, match.out = quant.kwargs["scale"], _output(match.all_reduce.graph, quant, 1)
+    return match
+
+
 def _native_site(all_reduce: Node, group_name: str, hidden: int) -> Match | None:
     """The site of vLLM's norm traced as aten ops (vLLM's graphs without its IR ops): the residual added
     in fp32 (``sum.float() + residual.float()``), the norm of that fp32 row, the weight after the cast
@@ -181,5 +240,6 @@ def _native_site(all_reduce: Node, group_name: str, hidden: int) -> Match | None
 
 
 def pattern_of(match: Match) -> type[FusionPattern]:
-    """The pattern whose checks and replacement serve a vLLM site: with a residual or without."""
-    return _WITH_RESIDUAL if match.residual is not None else _WITHOUT
+    """The pattern whose checks and replacement serve a vLLM site: with or without a residual and fp8."""
+    return _PATTERNS[f"AllReduce{'Add' if match.residual is not None else ''}RMSNorm"
+                     f"{'Quant' if match.scale is not None else ''}"]
