@@ -7,12 +7,13 @@ aborts the whole process on code it cannot lower: the first fused call on a ROCm
 taken the user's process down), both targets at once. The AMD assembly is then checked as the sm_90
 test checks PTX (docs/architecture.md, "Memory order"):
 
-- every loop that waits for a peer (a natural loop of the control-flow graph that reads the timer,
-  ``s_memrealtime``) and loads, loads through vector loads that bypass the caches (``sc0 sc1``), never
-  a scalar ``s_load`` (a poll of a uniform address became one, hoisted out of the loop: a hang); a
-  kernel has a reading wait for each peer's descriptor and rows. (With 3+ ranks the compiler splits
-  some waits into a polling loop and a loop that only redoes the block-wide reduction; those are
-  counted apart.) A plain volatile poll, compiled beside them, must fail these checks;
+- every loop that waits for a peer (one that reads the timer, ``s_memrealtime``, itself or in a loop
+  nested in it) loads on each iteration through vector loads that bypass the caches (``sc0 sc1``),
+  never a scalar ``s_load`` (a poll of a uniform address became one, hoisted out of the loop: a hang),
+  and no such loop waits without loading: checked on the natural loops of the control-flow graph and
+  on LLVM's own loop annotations in the assembly (a loop that only redoes the block-wide reduction and
+  reads the timer would spin on a value it never reads again); a kernel has a reading wait for each
+  peer's descriptor and rows. A plain volatile poll, compiled beside them, must fail these checks;
 - the words peers wait for are written through (stores with ``sc0 sc1``), and the end-of-call arrival
   is a system-scope release (``buffer_wbl2 sc0 sc1``) before its atomic and an acquire
   (``buffer_inv sc0 sc1``) after it; every other atomic has its release and acquire too;
@@ -129,12 +130,68 @@ def _on_a_cycle(start: int, successors: list[set[int]]) -> bool:
     return False
 
 
+_BLOCK_START = re.compile(r"^\.LBB(\d+_\d+):|^; %bb\.(\d+):")
+_HEADER = re.compile(r"=>\s*This (?:Inner )?Loop Header: Depth=(\d+)")
+_MEMBER = re.compile(r"in Loop: Header=BB(\d+_\d+) Depth=(\d+)")
+_PARENT = re.compile(r"Parent Loop BB(\d+_\d+) Depth=(\d+)")
+
+
+def annotated_loops(asm: str) -> dict[str, dict]:
+    """LLVM's own loops, from the comments it writes on each block of a loop (``=>This Loop Header``,
+    ``in Loop: Header=BB0_5``, ``Parent Loop BB0_3``): ``{header: {"parent": header or None, "lines":
+    the instructions of the blocks whose innermost loop it is}}``. Independent of how the test reads the
+    control-flow graph, and blind to the layout (a loop's blocks may lie apart)."""
+    loops: dict[str, dict] = {}
+    innermost = None  # the loop the current block belongs to, innermost first
+    for line in asm.splitlines():
+        comment = line.split(";", 1)[1] if ";" in line else ""
+        start = _BLOCK_START.match(line)
+        if start:
+            innermost = None
+            label = start.group(1)
+        if (m := _MEMBER.search(comment)) and (start or innermost is None):
+            innermost = m.group(1)
+            loops.setdefault(innermost, {"parent": None, "lines": []})
+        elif m := _PARENT.search(comment):
+            loops.setdefault(label, {"parent": None, "lines": []})["parent"] = m.group(1)
+        elif _HEADER.search(comment):
+            innermost = label
+            loops.setdefault(innermost, {"parent": None, "lines": []})
+        if innermost is not None and not start and line.strip() and not line.lstrip().startswith((";", ".")):
+            loops[innermost]["lines"].append(line.split(";")[0].rstrip())
+    return loops
+
+
+def loops_waiting_without_reading(asm: str) -> list[str]:
+    """Every loop of LLVM's that reads the timer (in its own blocks or a loop nested in it) but loads
+    nothing past the caches through the vector path: a wait that may spin on a value it never reads
+    again until its deadline."""
+    loops = annotated_loops(asm)
+    children: dict[str, list[str]] = {}
+    for header, loop in loops.items():
+        if loop["parent"] is not None:
+            children.setdefault(loop["parent"], []).append(header)
+
+    def body(header: str) -> list[str]:
+        return loops[header]["lines"] + [line for child in children.get(header, []) for line in body(child)]
+
+    found = []
+    for header in loops:
+        lines = body(header)
+        timer = any("s_memrealtime" in line for line in lines)
+        polls = [line for line in lines if _VECTOR_LOAD.match(line) and _BYPASS.search(line)]
+        if timer and not polls:
+            found.append(f"the loop at BB{header} reads the timer and polls no memory")
+    return found
+
+
 def check_amdgcn(asm: str) -> dict:
     """What the checks above need from one kernel's assembly: counts and the problems found."""
     lines = _instructions(asm)
     problems = []
     blocks, successors = _blocks(lines)
-    reading = idle = 0
+    reading = 0
+    problems += loops_waiting_without_reading(asm)
     timer = {i for i, block in enumerate(blocks) if any("s_memrealtime" in line for line in block)}
     waits = [loop for loop in _natural_loops(successors) if loop & timer]
     for loop in waits:
@@ -144,10 +201,7 @@ def check_amdgcn(asm: str) -> dict:
         where = blocks[min(loop)][0].strip()
         loads = [line.strip() for line in body if _VECTOR_LOAD.match(line)]
         if not loads:
-            # With 3+ ranks the compiler splits some waits in two loops, one with the poll and one
-            # that only redoes the block-wide reduction and reads the timer (barriers in divergent
-            # control flow); counted, and the test requires a reading wait for every peer's words.
-            idle += 1
+            problems.append(f"the wait loop at {where} reads the timer and loads nothing")
             continue
         reading += 1
         problems += [f"the wait loop at {where} loads through the caches: {load}"
@@ -173,7 +227,7 @@ def check_amdgcn(asm: str) -> dict:
     if not any("atomic_add" in line for line in lines if _ATOMIC.match(line)):
         problems.append("no arrival atomic")
     written_through = sum(1 for line in lines if _STORE.match(line) and _BYPASS.search(line))
-    return {"wait_loops": reading, "idle_wait_loops": idle, "written_through": written_through,
+    return {"wait_loops": reading, "written_through": written_through,
             "narrow": sum(1 for line in lines if _NARROW.match(line)),
             "wide": sum(1 for line in lines if re.match(r"^\s*(?:global|buffer)_(?:load|store)_dwordx4", line)),
             "problems": problems}

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpfuse.select import MAX_KERNEL_HIDDEN
+
 #: -0.0 in bf16 and fp16: marks a word nobody has written since it was last cleared.
 SENTINEL = -32768
 NUM_SLOTS = 3
@@ -43,9 +45,16 @@ _FLAG_WORDS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYER_NO
                (FLAG_DYNAMIC_GROUP, "fp8 output scaled per group"), (FLAG_FP8_WIRE, "fp8 wire"))
 
 
+#: Words after the descriptors that nothing writes: on AMD a wait reads a row's whole block of
+#: columns, masked lanes too (``vendor.load_polled``), so the last row of the last region reads up to
+#: a block of the largest hidden size past it.
+POLL_REACH = MAX_KERNEL_HIDDEN
+
+
 def buffer_elems(region_elems: int, world_size: int) -> int:
-    """16-bit words of one rank's buffer: the slots' regions, then the descriptors."""
-    return NUM_SLOTS * world_size * (region_elems + DESC_WORDS)
+    """16-bit words of one rank's buffer: the slots' regions, then the descriptors, then
+    :data:`POLL_REACH` words of room."""
+    return NUM_SLOTS * world_size * (region_elems + DESC_WORDS) + POLL_REACH
 
 
 def describe_call(n_tokens: int, hidden: int, flags: int, call: int, region_elems: int) -> list[int]:
@@ -114,7 +123,8 @@ class Workspace:
 
     def descriptors(self) -> torch.Tensor:
         """int16 [NUM_SLOTS, world_size, DESC_WORDS] view of the call descriptors peers sent us."""
-        return self.buffer[NUM_SLOTS * self.world_size * self.region_elems:].view(
+        start = NUM_SLOTS * self.world_size * self.region_elems
+        return self.buffer[start:start + NUM_SLOTS * self.world_size * DESC_WORDS].view(
             NUM_SLOTS, self.world_size, DESC_WORDS)
 
     def release(self) -> None:

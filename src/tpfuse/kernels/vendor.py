@@ -277,13 +277,25 @@ def pdl_start(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+#: An assembly statement the compiler must run at every poll, whose result (zero) it cannot know.
+OPAQUE_ZERO = tl.constexpr("s_mov_b32 $0, 0")
+
+
 @triton.jit
 def load_polled(ptrs, mask):
     """Load words that a peer writes, as a wait reads them: from memory on every call, never a value
     a cache or the compiler kept. Masked lanes read 0."""
     if on_amd():
-        # sc0 sc1: past both cache levels. A volatile load alone is a plain load on AMD.
-        return tl.load(ptrs, mask=mask, other=0, cache_modifier=".cv", volatile=True)
+        # sc0 sc1: past both cache levels. To LLVM these are ordinary loads (a cache policy; volatile=True
+        # is dropped on AMD). Two things let Triton 3.6 build waits that spin without reading (a loop
+        # that redid the block-wide reduction and read the timer, its loads in a sibling loop): a masked
+        # load is a branch on each lane's mask, which does not change while a wait loops, so the loop
+        # was split on it; and an address that does not change lets a load be kept from one look to the
+        # next. So every lane loads, its mask applied to the value (``layout.POLL_REACH``: the buffer has
+        # room for the lanes past a row), from an address plus a zero that assembly with side effects
+        # makes at each look, which the compiler can neither know nor move (times 8: 16-byte accesses).
+        fresh = tl.inline_asm_elementwise(OPAQUE_ZERO, "=s", [], dtype=tl.int32, is_pure=False, pack=1)
+        return tl.where(mask, tl.load(ptrs + fresh * 8, cache_modifier=".cv", volatile=True), 0)
     else:
         return tl.load(ptrs, mask=mask, other=0, volatile=True)
 
