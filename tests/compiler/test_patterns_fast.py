@@ -236,23 +236,24 @@ class Site(nn.Module):
         return y, h
 
 
-NOT_FUSED = [  # kind, dtype, the pass's arguments, what the report says
-    ("plain", torch.bfloat16, {}, "fused (AllReduceAddRMSNorm)"),
+NOT_FUSED = [  # kind, dtype, the pass's arguments, what the report says, on tpfuse's plain all-reduce
+    ("plain", torch.bfloat16, {}, "fused (AllReduceAddRMSNorm)", False),
     ("op_between", torch.bfloat16, {}, "no norm follows the all-reduce as a pattern has it (RMSNorm or "
                                        "LayerNorm, after a residual add, a bias or a post-norm: "
-                                       "tpfuse.compiler.PATTERNS); its result goes to tanh"),
-    ("max_all_reduce", torch.bfloat16, {}, "all-reduce op is 'max', not 'sum'"),
-    ("plain", torch.float32, {}, "64 x torch.float32 is not supported by the kernels"),
-    ("sum_used_elsewhere", torch.bfloat16, {}, "the pre-add sum of the pattern has users outside it"),
-    ("fp32_weight", torch.bfloat16, {}, "the norm's result dtype differs from the input's"),
-    ("plain", torch.bfloat16, {"fusion_limit": 4}, "token range up to 6 exceeds the fusion limit 4"),
+                                       "tpfuse.compiler.PATTERNS); its result goes to tanh", True),
+    ("max_all_reduce", torch.bfloat16, {}, "all-reduce op is 'max', not 'sum'", False),
+    ("plain", torch.float32, {}, "64 x torch.float32 is not supported by the kernels", False),
+    ("sum_used_elsewhere", torch.bfloat16, {}, "the pre-add sum of the pattern has users outside it", True),
+    ("fp32_weight", torch.bfloat16, {}, "the norm's result dtype differs from the input's", True),
+    ("plain", torch.bfloat16, {"fusion_limit": 4}, "token range up to 6 exceeds the fusion limit 4", False),
     ("plain", torch.bfloat16, {"fusion_limit": None}, "has no tpfuse communicator that can fuse 64 x "
-                                                      "torch.bfloat16 (call tpfuse.get_communicator"),
+                                                      "torch.bfloat16 (call tpfuse.get_communicator", False),
 ]
 
 
-@pytest.mark.parametrize("kind,dtype,options,says", NOT_FUSED)
-def test_sites_that_must_stay_unfused_say_why(kind, dtype, options, says):
+@pytest.mark.parametrize("kind,dtype,options,says,plain", NOT_FUSED)
+def test_sites_that_must_stay_unfused_say_why(kind, dtype, options, says, plain):
+    """... and those the kernels can still sum run on tpfuse's plain all-reduce, the rest as they were."""
     torch.manual_seed(0)
     module = Site(kind).to(dtype)
     module.scale = module.scale.float()
@@ -260,9 +261,14 @@ def test_sites_that_must_stay_unfused_say_why(kind, dtype, options, says):
         module.norm.float()
     fusion_pass = FusionPass(**{"fusion_limit": 16, **options})
     x, residual = torch.randn(TOKENS, HIDDEN).to(dtype), torch.randn(TOKENS, HIDDEN).to(dtype)
-    post_grad_pass(module, x, residual, fusion_pass=fusion_pass)
+    graph = post_grad_pass(module, x, residual, fusion_pass=fusion_pass)
     [[site]] = fusion_pass.reports
-    assert says in str(site), str(site)
+    assert says in str(site) and site.plain is plain, str(site)
+    ops = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert (torch.ops.tpfuse.all_reduce.default in ops) is plain
+    assert (torch.ops._c10d_functional.all_reduce.default in ops) is (not plain and not site.fused)
+    if plain:
+        assert "runs on tpfuse's plain all-reduce" in str(site)
 
 
 def test_a_dynamic_token_count_fuses_only_with_a_bound():

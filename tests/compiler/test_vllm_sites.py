@@ -170,6 +170,10 @@ def test_an_all_reduce_without_a_norm_after_it_says_where_it_goes():
     fusion(graph)
     (site,) = fusion.reports[-1]
     assert not site.fused and "no vLLM RMSNorm follows the all-reduce; its result goes to aten::mul" in site.reason
+    # ... and it runs on tpfuse's plain all-reduce, in vLLM's group's process group
+    assert site.plain
+    (plain,) = [n for n in graph.nodes if n.target is torch.ops.tpfuse.all_reduce.default]
+    assert plain.args[1] == "7" and not [t for t in targets(graph) if str(t).startswith("vllm::")]
 
 
 def test_a_sum_read_besides_the_residual_add_is_not_fused():

@@ -48,8 +48,12 @@ SHAPES = [
     # The fp8 wire (kernels/wire.py): its code and exponent words are not 16-byte rows.
     ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=True)),
     ("twoshot", 4, "bf16", dict(BLOCK_H=4096, GROUPED=False, WIRE=True, **LAYER_NORM)),
+    # A plain all-reduce (tpfuse.all_reduce): no norm, no y.
+    ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, NORMED=False)),
+    ("twoshot", 4, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False, NORMED=False)),
 ]
-PLAIN = dict(HAS_BIAS=False, SUM_NORM=False, LAYER_NORM=False, HAS_NORM_BIAS=False, QUANT=0, SCALE_GROUP=0)
+PLAIN = dict(HAS_BIAS=False, SUM_NORM=False, LAYER_NORM=False, HAS_NORM_BIAS=False, QUANT=0, SCALE_GROUP=0,
+             NORMED=True)
 
 
 def compile_shape(name: str, world: int, dtype: str, constexprs: dict, target, use_pdl: bool, max_warps: int):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import logging
 import pathlib
@@ -15,9 +16,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from tpfuse import _stats
 from tpfuse.compiler import vllm_sites
 from tpfuse.comm.communicator import fusion_signature, lookup_communicator
-from tpfuse.compiler.matchers import ALL_REDUCE
-from tpfuse.compiler.patterns import PATTERNS, Match, site_problem, unmatched_reason
-from tpfuse.compiler.sizes import describe_shape
+from tpfuse.compiler.matchers import ALL_REDUCE, WAIT, meta_val
+from tpfuse.compiler.patterns import (
+    PATTERNS, Match, plain_all_reduce_problem, replace_with_plain_all_reduce, site_problem, unmatched_reason,
+)
+from tpfuse.compiler.sizes import describe_shape, static_int, token_count
 
 log = logging.getLogger("tpfuse.compiler")
 # Inductor may run a copy of a pass (config patches are copied): copies share a tag and these records.
@@ -35,27 +38,31 @@ class SiteReport:
     fused: bool
     pattern: str | None = None
     reason: str | None = None
+    plain: bool = False  # not fused, but on tpfuse's plain all-reduce (``tpfuse.all_reduce``)
 
     def __str__(self) -> str:
         shape = "x".join(str(s) for s in self.shape)
         what = f"fused ({self.pattern})" if self.fused else f"not fused: {self.reason}"
+        what += "; runs on tpfuse's plain all-reduce" if self.plain else ""
         dtype = str(self.dtype).replace("torch.", "")
         return f"all-reduce [{shape}] {dtype} group {self.group_name!r}: {what}"
 
 
 def summarize(sites: list[SiteReport]) -> str:
     """``fused N of M`` and, per distinct reason, how many sites stayed unfused for it."""
-    fused = sum(s.fused for s in sites)
+    fused, plain = sum(s.fused for s in sites), sum(s.plain for s in sites)
     reasons = collections.Counter(s.reason for s in sites if not s.fused)
     detail = "; ".join(f"{n} x {reason}" for reason, n in reasons.items())
-    return f"fused {fused} of {len(sites)} all-reduce sites" + (f"; not fused: {detail}" if detail else "")
+    return (f"fused {fused} of {len(sites)} all-reduce sites" + (f"; not fused: {detail}" if detail else "")
+            + (f"; {plain} of those on tpfuse's plain all-reduce" if plain else ""))
 
 
 def report_graph(sites: list[SiteReport], token_range: str) -> None:
     """Log a compiled graph's sites: INFO when all fused, one WARNING when any stayed unfused."""
     _stats.record("compile.fused_sites", sum(s.fused for s in sites))
     _stats.record("compile.unfused_sites", sum(not s.fused for s in sites))
-    level = logging.INFO if all(s.fused for s in sites) else logging.WARNING
+    _stats.record("compile.plain_sites", sum(s.plain for s in sites))
+    level = logging.INFO if all(s.fused or s.plain for s in sites) else logging.WARNING
     log.log(level, "tpfuse: %s in a graph (%s)", summarize(sites), token_range)
 
 
@@ -157,7 +164,9 @@ class FusionPass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.pattern_matcher import stable_topological_sort
 
-        sites, merged, unfused = [], set(), {}  # unfused: index in sites -> all-reduce node
+        # (report, the all-reduce when it stayed unfused: it may still run on tpfuse's plain all-reduce)
+        entries: list[tuple[SiteReport, torch.fx.Node | None]] = []
+        merged = set()
         for node in [n for n in graph.nodes if n.op == "call_function" and n.target == ALL_REDUCE]:
             if node in merged:  # a second branch of a site fused before: reported with it
                 continue
@@ -174,18 +183,19 @@ class FusionPass(CustomGraphPass):
                     if str(match.tokens) in self.token_bounds:
                         _bounds_relied_on[self._tag].add(str(match.tokens))
                     pattern.replace(graph, match)
-                    sites += reports
+                    entries += [(report, None) for report in reports]
                     merged.update(match.merged)
                     break
                 refused = refused or (pattern.__name__, reason)
             else:
                 pattern_name, reason = refused or (None, unmatched_reason(node))
-                unfused[len(sites)] = node
-                sites.append(SiteReport(shape, dtype, group_name, False, pattern_name, reason))
+                entries.append((SiteReport(shape, dtype, group_name, False, pattern_name, reason), node))
         # A site that a later one took in as its second branch is reported with that one only.
-        sites = [s for i, s in enumerate(sites) if unfused.get(i) not in merged]
-        sites += [self._fuse_vllm_site(node) for node in vllm_sites.all_reduces(graph)]
-        if any(s.fused for s in sites):
+        entries = [(report, node) for report, node in entries if node not in merged]
+        entries += [self._fuse_vllm_site(node) for node in vllm_sites.all_reduces(graph)]
+        sites = [report if node is None else self._on_plain_all_reduce(graph, report, node)
+                 for report, node in entries]
+        if any(s.fused or s.plain for s in sites):
             stable_topological_sort(graph)  # shapes the replacements read may be defined after the site
         graph.lint()
         _reports[self._tag].append(sites)
@@ -193,20 +203,40 @@ class FusionPass(CustomGraphPass):
             f"tokens <= {self.max_tokens}" if self.max_tokens else "static token counts")
         report_graph(sites, bounds)
 
-    def _fuse_vllm_site(self, node: torch.fx.Node) -> SiteReport:
+    def _fuse_vllm_site(self, node: torch.fx.Node) -> tuple[SiteReport, torch.fx.Node | None]:
         shape, dtype, group_name = vllm_sites.describe(node)
         if group_name not in self.vllm_groups:
             return SiteReport(shape, dtype, group_name, False, reason=(
                 f"vLLM group {group_name!r} has no process group known to the pass (tpfuse.engines.vllm "
-                "resolves vLLM's groups in its workers)"))
+                "resolves vLLM's groups in its workers)")), None
         match, reason = vllm_sites.find_site(node, self.vllm_groups[group_name])
         pattern = vllm_sites.pattern_of(match) if match is not None else None
         if pattern is not None:
             reason = pattern.extra_check(match, self._token_bound, self._fusion_limit(match))
         if reason is not None:
-            return SiteReport(shape, dtype, group_name, False, pattern and pattern.__name__, reason)
+            return SiteReport(shape, dtype, group_name, False, pattern and pattern.__name__, reason), node
         pattern.replace(node.graph, match)
-        return SiteReport(shape, dtype, group_name, True, pattern.__name__)
+        return SiteReport(shape, dtype, group_name, True, pattern.__name__), None
+
+    def _on_plain_all_reduce(self, graph: torch.fx.Graph, report: SiteReport, node: torch.fx.Node) -> SiteReport:
+        """An all-reduce that no block end took in, on ``tpfuse.all_reduce`` where the kernels take it
+        (its report says so), else as it was."""
+        if node.target == ALL_REDUCE:  # funcol: all_reduce(x, op, group) -> wait_tensor
+            x, reduce_op, group_name = node.args[:3]
+            result = next(iter(node.users)) if len(node.users) == 1 else None
+            if result is None or result.target != WAIT:
+                return report
+        else:  # vLLM: all_reduce(x, vLLM's group name), its group's c10d name known
+            x, reduce_op, group_name, result = node.args[0], "sum", self.vllm_groups[node.args[1]], node
+        val = meta_val(x)
+        limit = (self.fusion_limit if self.fusion_limit is not None else
+                 communicator_limit(group_name, static_int(val.shape[-1]) or 0, val.dtype) if val.dim() else 0)
+        if plain_all_reduce_problem(x, reduce_op, self._token_bound, limit) is not None:
+            return report
+        if str(token_count(val.shape)) in self.token_bounds.keys() - _bounds_relied_on[self._tag]:
+            return report  # relying on a bound no fused site relies on would narrow the fused graph's range
+        replace_with_plain_all_reduce(graph, x, group_name, result)
+        return dataclasses.replace(report, plain=True)
 
     def uuid(self) -> str:
         # Inductor's cache key: everything the pass's decisions depend on, stable across runs (the

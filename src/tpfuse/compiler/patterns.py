@@ -310,22 +310,8 @@ class FusionPattern:
     @classmethod
     def replace(cls, graph: Graph, m: Match) -> None:
         """Rewrite the site to the fused op; the caller re-sorts the graph (``stable_topological_sort``)."""
-        from torch._guards import detect_fake_mode
-
         hidden = m.hidden
-        fake_mode = detect_fake_mode([meta_val(m.x)])
-
-        def fake(a):
-            if isinstance(a, list):
-                return [fake(s) for s in a]
-            return meta_val(a) if isinstance(a, Node) else a
-
-        def call(target, *args, **kwargs) -> Node:
-            node = graph.call_function(target, args, kwargs)
-            if fake_mode is not None:  # Inductor lowers from these values
-                with fake_mode:
-                    node.meta["val"] = target(*map(fake, args), **{k: fake(v) for k, v in kwargs.items()})
-            return node
+        call = graph_caller(graph, m.x)
 
         def shape_args(shape) -> list:
             args = []
@@ -413,6 +399,63 @@ class FusionPattern:
             y, scales = dynamic_fp8(y, inputs["scale_group"])
             return y, scales, h
         return y, h
+
+
+def graph_caller(graph: Graph, like: Node):
+    """``call(target, *args, **kwargs)``: a new node of ``graph`` with its fake value (what Inductor
+    lowers from), computed in the fake mode of ``like``'s value."""
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode([meta_val(like)])
+
+    def fake(a):
+        if isinstance(a, list):
+            return [fake(s) for s in a]
+        return meta_val(a) if isinstance(a, Node) else a
+
+    def call(target, *args, **kwargs) -> Node:
+        node = graph.call_function(target, args, kwargs)
+        if fake_mode is not None:
+            with fake_mode:
+                node.meta["val"] = target(*map(fake, args), **{k: fake(v) for k, v in kwargs.items()})
+        return node
+
+    return call
+
+
+def plain_all_reduce_problem(x: Node, reduce_op: str, token_bound, fusion_limit: int) -> str | None:
+    """Why the all-reduce of ``x`` cannot run on tpfuse's plain all-reduce (None: it can): the kernels'
+    dtypes and sizes, and the most tokens the graph runs it with against ``fusion_limit``."""
+    val = meta_val(x)
+    hidden = static_int(val.shape[-1]) if isinstance(val, torch.Tensor) and val.dim() else None
+    if hidden is None:
+        return "the hidden size (last dimension) is dynamic"
+    problem = site_problem(reduce_op, hidden, val.dtype)
+    if problem is not None:
+        return problem
+    if fusion_limit <= 0:
+        return "its group has no tpfuse communicator"
+    tokens = token_count(val.shape)
+    bound = tokens if isinstance(tokens, int) else token_bound(tokens)
+    if bound is None or bound > fusion_limit:
+        return f"its token count {tokens} may exceed the fusion limit {fusion_limit}"
+    return None
+
+
+def replace_with_plain_all_reduce(graph: Graph, x: Node, group_name: str, result: Node) -> None:
+    """Replace the all-reduce of ``x`` whose value ``result`` is (the wait, or vLLM's op) with
+    ``tpfuse.all_reduce`` on ``[tokens, hidden]``, reshaped back to x's shape."""
+    call = graph_caller(graph, x)
+    shape = meta_val(x).shape
+    with graph.inserting_before(result):
+        sizes = [static_int(size) if static_int(size) is not None else call(aten.sym_size.int, x, dim)
+                 for dim, size in enumerate(shape)]
+        summed = call(torch.ops.tpfuse.all_reduce.default, call(aten.reshape.default, x, [-1, shape[-1]]), group_name)
+        out = call(aten.reshape.default, summed, sizes)
+    result.replace_all_uses_with(out)
+    for node in [result] + [a for a in result.args if isinstance(a, Node) and a is not x]:
+        if not node.users:
+            graph.erase_node(node)
 
 
 def _example_rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:

@@ -7,6 +7,7 @@ For each row, in fp32, with every step but the sum optional::
     s = rmsnorm(s) * sum_weight                     # Gemma 2/3's post-norm, before the residual add
     h = s + residual
     y = rmsnorm(h) * weight                         # or LayerNorm: (h - mean) * rstd * weight + norm_bias
+                                                    #   (none: a plain all-reduce ends at h)
     y = fp8(y / scale)                              # static: one scale for all
       | fp8(y / s_g), s_g = max(amax_g / 448, 1 / (448 * 512))    # dynamic: per token or per group
 
@@ -63,6 +64,9 @@ class Epilogue:
     scale_group : int
         Dynamic fp8 ``y``: 0 for none; else the elements per scale (H: one scale a token). The scales
         are an output of the call (``FusedCall.scales``).
+    normed : bool
+        False: the call ends at ``h`` (a plain all-reduce, with the other steps before the norm if
+        any): no norm, ``y`` is not written, the weight and eps are not read.
     """
 
     quant_scale: torch.Tensor | None = None
@@ -71,12 +75,13 @@ class Epilogue:
     layer_norm: bool = False
     norm_bias: torch.Tensor | None = None
     scale_group: int = 0
+    normed: bool = True
 
     @property
     def plain(self) -> bool:
         """Nothing beyond the residual add, RMSNorm and a static scale (what every backend runs)."""
         return (self.bias is None and self.sum_weight is None and not self.layer_norm
-                and self.scale_group == 0)
+                and self.scale_group == 0 and self.normed)
 
     @property
     def fp8_output(self) -> bool:
@@ -86,7 +91,7 @@ class Epilogue:
     def signature(self) -> tuple:
         """What about this block end decides a compiled kernel: which steps, and their tensors' dtypes."""
         return (_dtype(self.quant_scale), _dtype(self.bias), _dtype(self.sum_weight), self.layer_norm,
-                _dtype(self.norm_bias), self.scale_group)
+                _dtype(self.norm_bias), self.scale_group, self.normed)
 
     def flags(self, hidden: int) -> int:
         """The descriptor bits (``layout.FLAG_*``) that tell this block end from others."""
@@ -96,7 +101,8 @@ class Epilogue:
                 | (layout.FLAG_LAYER_NORM if self.layer_norm else 0)
                 | (layout.FLAG_NORM_BIAS if self.norm_bias is not None else 0)
                 | (layout.FLAG_DYNAMIC_TOKEN if self.scale_group == hidden else 0)
-                | (layout.FLAG_DYNAMIC_GROUP if 0 < self.scale_group < hidden else 0))
+                | (layout.FLAG_DYNAMIC_GROUP if 0 < self.scale_group < hidden else 0)
+                | (0 if self.normed else layout.FLAG_NO_NORM))
 
     def switches(self, hidden: int) -> Switches:
         """The kernels' compile-time switches for this block end (their ``STEPS`` argument)."""
@@ -105,7 +111,8 @@ class Epilogue:
                         LAYER_NORM=self.layer_norm, HAS_NORM_BIAS=self.norm_bias is not None,
                         QUANT=QUANT_DYNAMIC if dynamic else QUANT_STATIC if self.quant_scale is not None
                         else QUANT_NONE,
-                        SCALE_GROUP=self.scale_group if dynamic and self.scale_group < hidden else 0)
+                        SCALE_GROUP=self.scale_group if dynamic and self.scale_group < hidden else 0,
+                        NORMED=self.normed)
 
     def step_tensors(self, stand_in: torch.Tensor, scales: torch.Tensor | None) -> StepTensors:
         """The kernels' ``steps`` argument: each tensor step (``stand_in``, never read, for an absent one),
@@ -123,6 +130,7 @@ class Switches(NamedTuple):
     HAS_NORM_BIAS: bool
     QUANT: int  # QUANT_NONE, QUANT_STATIC or QUANT_DYNAMIC
     SCALE_GROUP: int  # dynamic fp8: elements a scale, or 0 for one scale a token
+    NORMED: bool  # False: no norm, y not written (a plain all-reduce)
 
 
 def _dtype(t: torch.Tensor | None) -> torch.dtype | None:
@@ -138,9 +146,9 @@ def schema() -> str:
     return ", ".join(f"{_SCHEMA_TYPES[f.type]} {f.name}={f.default}" for f in dataclasses.fields(Epilogue))
 
 
-def step_names() -> tuple[str, ...]:
-    """The block end's argument names, in declaration order."""
-    return tuple(f.name for f in dataclasses.fields(Epilogue))
+def step_defaults() -> tuple[tuple[str, object], ...]:
+    """(name, default) of the block end's arguments, in declaration order."""
+    return tuple((f.name, f.default) for f in dataclasses.fields(Epilogue))
 
 
 _TENSOR_STEPS = tuple(f.name for f in dataclasses.fields(Epilogue) if f.type == _TENSOR)
@@ -164,8 +172,10 @@ class Params(NamedTuple):
 @triton.jit
 def _load_params(weight_ptr, steps, cols, mask, STEPS: tl.constexpr):
     """The norm's weight and the steps' rows (:class:`Params`), loaded once a program."""
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    zeros = tl.zeros(w.shape, tl.float32)
+    zeros = tl.zeros(cols.shape, tl.float32)
+    w = zeros
+    if STEPS.NORMED:
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     b = zeros
     sw = zeros
     nb = zeros
@@ -203,6 +213,8 @@ def _store_normed(h, params, y_ptr, steps, row, offs, mask, hidden, eps, STEPS: 
     """
     QUANT: tl.constexpr = STEPS.QUANT
     SCALE_GROUP: tl.constexpr = STEPS.SCALE_GROUP
+    if not STEPS.NORMED:
+        return
     if STEPS.LAYER_NORM:
         centred = tl.where(mask, h - tl.sum(h, axis=0) / hidden, 0.0)
         y = _rmsnorm(centred, hidden, eps) * params.weight + params.norm_bias

@@ -39,10 +39,13 @@ FLAG_BIAS, FLAG_SUM_NORM, FLAG_LAYER_NORM, FLAG_NORM_BIAS = 32, 64, 128, 256
 FLAG_DYNAMIC_TOKEN, FLAG_DYNAMIC_GROUP = 512, 1024
 #: The two-shot's fp8 wire (``kernels.wire``).
 FLAG_FP8_WIRE = 2048
+#: A plain all-reduce: the call ends at h (``Epilogue.normed`` False).
+FLAG_NO_NORM = 4096
 _FLAG_WORDS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYER_NORM, "LayerNorm"),
                (FLAG_NORM_BIAS, "norm bias"), (FLAG_QUANT, "fp8 output"),
                (FLAG_DYNAMIC_TOKEN, "fp8 output scaled per token"),
-               (FLAG_DYNAMIC_GROUP, "fp8 output scaled per group"), (FLAG_FP8_WIRE, "fp8 wire"))
+               (FLAG_DYNAMIC_GROUP, "fp8 output scaled per group"), (FLAG_FP8_WIRE, "fp8 wire"),
+               (FLAG_NO_NORM, "no norm"))
 
 
 #: Words after the descriptors that nothing writes: on AMD a wait reads a row's whole block of

@@ -28,6 +28,8 @@ def _epilogue(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
         h = _rmsnorm(h, eps) * epilogue.sum_weight.to(dtype)
     if residual is not None:
         h = h + residual.to(dtype)
+    if not epilogue.normed:
+        return h, h
     if epilogue.layer_norm:
         y = _rmsnorm(h - h.mean(dim=-1, keepdim=True), eps) * weight.to(dtype)
         if epilogue.norm_bias is not None:

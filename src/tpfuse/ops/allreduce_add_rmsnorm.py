@@ -72,9 +72,9 @@ def check_inputs(
                                      residual.shape == shape and residual.is_contiguous() and
                                      residual.device == device):
         _check_like_x("residual", residual, x, device, dtype)
-    if not (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.shape[0] == shape[1] and
-            (weight.dtype is dtype or weight.dtype is torch.float32) and weight.is_contiguous() and
-            weight.device == device):
+    if steps.normed and not (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.shape[0] == shape[1]
+                             and (weight.dtype is dtype or weight.dtype is torch.float32)
+                             and weight.is_contiguous() and weight.device == device):
         if weight is None:
             raise TypeError("weight must be a tensor (the RMSNorm gain), got None")
         _check_row("weight", weight, x, device)
@@ -310,6 +310,9 @@ _STEPS = block_end.schema()
 _lib.define(f"allreduce_add_rmsnorm({_CALL}, *, {_STEPS}) -> (Tensor, Tensor)")
 _lib.define(f"allreduce_add_rmsnorm_out({_CALL}, Tensor(a!) y, Tensor(b!) h, *, {_STEPS}) -> ()")
 _lib.define(f"allreduce_add_rmsnorm_dynamic_fp8({_CALL}, *, {_STEPS}) -> (Tensor, Tensor, Tensor)")
+_lib.define("all_reduce(Tensor x, str group_name) -> Tensor")
+#: A plain all-reduce's block end: the sum, nothing after it.
+SUM_ONLY = Epilogue(normed=False)
 
 
 def _functional(x, residual, weight, eps, group_name, **steps):
@@ -336,6 +339,17 @@ def _dynamic_fp8(x, residual, weight, eps, group_name, **steps):
     return y, scales, h
 
 
+def _all_reduce(x, group_name):
+    check_inputs(x, None, None, 0.0, SUM_ONLY)
+    h = torch.empty_like(x)
+    _run(FusedCall(x, None, x, 0.0, h, h, SUM_ONLY), group_name)  # no norm: no weight read, no y written
+    return h
+
+
+def _all_reduce_fake(x, group_name):
+    return torch.empty_like(x)
+
+
 def _functional_fake(x, residual, weight, eps, group_name, **steps):
     return _outputs(x, Epilogue(**steps))
 
@@ -350,7 +364,8 @@ def _dynamic_fp8_fake(x, residual, weight, eps, group_name, **steps):
 
 for _name, _impl, _fake in (("allreduce_add_rmsnorm", _functional, _functional_fake),
                             ("allreduce_add_rmsnorm_out", _out, _out_fake),
-                            ("allreduce_add_rmsnorm_dynamic_fp8", _dynamic_fp8, _dynamic_fp8_fake)):
+                            ("allreduce_add_rmsnorm_dynamic_fp8", _dynamic_fp8, _dynamic_fp8_fake),
+                            ("all_reduce", _all_reduce, _all_reduce_fake)):
     _lib.impl(_name, _impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"tpfuse::{_name}", _fake, lib=_lib)
 
@@ -364,8 +379,8 @@ def _through_the_op(x: torch.Tensor) -> bool:
 
 def _step_kwargs(steps: Epilogue) -> dict:
     """The steps that differ from their defaults, as the ops' keyword arguments."""
-    return {name: value for name in block_end.step_names()
-            if (value := getattr(steps, name)) is not None and value is not False and value != 0}
+    return {name: value for name, default in block_end.step_defaults()
+            if (value := getattr(steps, name)) is not default and not (type(value) is type(default) and value == default)}
 
 
 def allreduce_add_rmsnorm(
@@ -484,3 +499,33 @@ def allreduce_add_rmsnorm_dynamic_fp8(
     y, scales, h = _dynamic_fp8_outputs(x, scale_group)
     _run(FusedCall(x, residual, weight, eps, y, h, steps, scales), group_name)
     return y, scales, h
+
+
+def all_reduce(x: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum ``x`` over the ranks of ``group``: a plain all-reduce on tpfuse's kernels.
+
+    The same kernels, workspace, fusion limit, call comparison, bounded waits and rank-order fp32 sum
+    as :func:`allreduce_add_rmsnorm`, with no block end after the sum; every rank gets bit-identical
+    results. Larger calls than the workspace holds run as fused calls of its rows; without a
+    communicator (or for float32) the group's own all-reduce does it, in fp32.
+
+    Parameters
+    ----------
+    x : Tensor [..., H]
+        This rank's part, contiguous; bfloat16, float16 (the kernels) or float32. H a multiple of 8.
+    group : ProcessGroup, optional
+        The default group when None.
+
+    Returns
+    -------
+    Tensor
+        The sum, x's shape and dtype (a new tensor; x is not changed).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a tensor, got {type(x).__name__}")
+    if x.dim() != 2 and x.dim() >= 1:
+        return all_reduce(x.reshape(-1, x.shape[-1]), group=group).reshape(x.shape)
+    group_name = _group_name(group)
+    if _through_the_op(x):
+        return torch.ops.tpfuse.all_reduce(x, group_name)
+    return _all_reduce(x, group_name)

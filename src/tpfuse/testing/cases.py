@@ -50,11 +50,14 @@ class Case:
     layer_norm: bool = False
     norm_bias: bool = False
     scale_group: int = 0
+    # False: a plain all-reduce (``tpfuse.all_reduce``; no residual): y is h.
+    normed: bool = True
 
     def epilogue(self, inputs: dict) -> Epilogue:
         """The call's block end (:class:`Epilogue`) from ``inputs``."""
         return Epilogue(quant_scale=inputs["quant_scale"], bias=inputs["bias"], sum_weight=inputs["sum_weight"],
-                        layer_norm=self.layer_norm, norm_bias=inputs["norm_bias"], scale_group=self.scale_group)
+                        layer_norm=self.layer_norm, norm_bias=inputs["norm_bias"], scale_group=self.scale_group,
+                        normed=self.normed)
 
     def fused_call(self, inputs: dict, rank: int) -> FusedCall:
         """Rank ``rank``'s call as the kernels take it, with fresh outputs poisoned with NaN."""
@@ -68,13 +71,16 @@ class Case:
         scales = None
         if self.scale_group:
             scales = torch.full((self.tokens, self.hidden // self.scale_group), float("nan"), device=x.device)
-        return FusedCall(x, inputs["residual"], inputs["weight"], self.eps, y, torch.full_like(x, float("nan")),
-                         steps, scales)
+        h = torch.full_like(x, float("nan"))
+        return FusedCall(x, inputs["residual"], inputs["weight"], self.eps, y if self.normed else h, h, steps, scales)
 
     def call(self, inputs: dict, rank: int, **kwargs):
         """This rank's call through the public API: ``(y, h)``, or ``(y, h, scales)`` for dynamic fp8."""
         import tpfuse
 
+        if not self.normed:
+            h = tpfuse.all_reduce(inputs["xs"][rank], **kwargs)
+            return h, h
         args = (inputs["xs"][rank], inputs["residual"], inputs["weight"], self.eps)
         extras = dict(bias=inputs["bias"], sum_weight=inputs["sum_weight"], layer_norm=self.layer_norm,
                       norm_bias=inputs["norm_bias"], **kwargs)

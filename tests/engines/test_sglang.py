@@ -1,0 +1,141 @@
+"""tpfuse's SGLang plugin (tpfuse.engines.sglang) inside SGLang's own installed modules (SGLang 0.5.23).
+
+Skipped where ``import sglang`` fails (the project's venv has no SGLang). In an environment with SGLang and
+tpfuse (``pip install --no-deps -e .``, so that SGLang finds the plugin's entry point)::
+
+    TRITON_INTERPRET=1 python -m pytest tests/engines/test_sglang.py -q -p no:cacheprovider
+
+Real: SGLang's plugin loader (``sglang.srt.plugins.load_plugins``: the entry point, ``HookRegistry``, its
+rewriting of other modules' references), its ``RMSNorm`` and fused-norm caller
+``layernorm._forward_with_allreduce_fusion``, ``BaseRunner``'s workspace method and the gate
+``flashinfer_ar_fusion_applies`` as the plugin replaced them; tpfuse's communicator and kernels (in Triton's
+interpreter) on 2 gloo ranks.
+
+Mocked on the ranks (SGLang's parallel state takes a whole server to initialise):
+- ``layernorm.get_parallel()``: ``attn_tp_size=2`` (the caller's world-size check), nothing else;
+- ``flashinfer_comm_fusion.resolve_fusion_group``: ``(2, rank, SimpleNamespace(device_group=<gloo WORLD>))``
+  for the attention and the experts' group alike;
+- the runner given to the workspace method: only ``model_runner.model_config.hidden_size`` and
+  ``model_runner.dtype``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tpfuse.testing.cases import Case, check_results
+from tpfuse.testing.ranks import run_ranks
+
+pytest.importorskip("sglang", reason="SGLang is not importable here: run this file in an SGLang environment "
+                                     "(see the module docstring)")
+pytestmark = [pytest.mark.slow, pytest.mark.sglang]
+
+HIDDEN = 64
+SMALL = 5  # tokens of a call well under the limit
+
+# Run in a fresh interpreter: which of the plugin's targets load_plugins() replaced, and how.
+PROBE = """
+import json, pkgutil, sys
+from sglang.srt.plugins import load_plugins
+from tpfuse.engines import sglang as plugin
+
+def resolve(target):
+    owner, attr = target.rsplit(".", 1)
+    return getattr(pkgutil.resolve_name(owner), attr)
+
+hooks = {plugin.FUSED_CALL: plugin.allreduce_residual_rmsnorm, plugin.GATE: plugin.fusion_applies,
+         plugin.WORKSPACE: plugin.create_communicators}
+before = {target: resolve(target) for target in hooks}
+load_plugins()
+found = {}
+for target, hook in hooks.items():
+    now, name = resolve(target), target.rsplit(".", 1)[1]
+    cells = [c.cell_contents for c in getattr(now, "__closure__", None) or ()]  # SGLang's REPLACE wrapper
+    found[target] = {"replaced": now is not before[target], "by_tpfuse": now is hook or hook in cells,
+                     "wrapped_is_original": getattr(now, "__wrapped__", before[target]) is before[target],
+                     "stale_references": sorted(m for m, mod in list(sys.modules.items())
+                                                if getattr(mod, "__dict__", {}).get(name) is before[target])}
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["TPFUSE_SGLANG=1", "unset"])
+def test_load_plugins_applies_the_three_hooks_only_when_enabled(enabled):
+    env = {k: v for k, v in os.environ.items() if k not in ("TPFUSE_SGLANG", "SGLANG_PLUGINS")}
+    env.update({"TPFUSE_SGLANG": "1"} if enabled else {})
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    log = "\n".join(line for line in done.stderr.splitlines() if "Warning" not in line)[-4000:]
+    for target, found in json.loads(done.stdout.splitlines()[-1]).items():
+        if enabled:  # tpfuse's function, through SGLang's wrapper of the original; no module keeps the original
+            assert found == {"replaced": True, "by_tpfuse": True, "wrapped_is_original": True,
+                             "stale_references": []}, f"{target}: {found}\n{log}"
+        else:
+            assert not found["replaced"] and not found["by_tpfuse"], f"{target}: {found}"
+
+
+def _sglang_on_ranks(rank, world_size):
+    """On each rank: load the plugins, make the communicators through the replaced workspace method, ask
+    the gate, and run SGLang's caller on a small call and one over tpfuse's limit."""
+    import torch.distributed as dist
+
+    import tpfuse
+    from sglang.srt.layers import flashinfer_comm_fusion, layernorm
+    from sglang.srt.layers.layer_boundary.residual import add_norm
+    from sglang.srt.model_executor.runner.base_runner import BaseRunner
+    from sglang.srt.plugins import load_plugins
+
+    os.environ["TPFUSE_SGLANG"] = "1"
+    load_plugins()
+    coordinator = SimpleNamespace(device_group=dist.group.WORLD)
+    layernorm.get_parallel = lambda: SimpleNamespace(attn_tp_size=world_size, moe_ep_size=1, moe_tp_size=world_size)
+    flashinfer_comm_fusion.resolve_fusion_group = lambda *, use_attn_tp_group: (world_size, rank, coordinator)
+    gate = add_norm.flashinfer_ar_fusion_applies
+    before = gate(1)  # no communicator yet
+    runner = SimpleNamespace(model_runner=SimpleNamespace(model_config=SimpleNamespace(hidden_size=HIDDEN),
+                                                          dtype=torch.bfloat16))
+    BaseRunner._pre_initialize_flashinfer_allreduce_workspace(runner)
+    limit = tpfuse.get_communicator(dist.group.WORLD).max_token_num(HIDDEN, torch.bfloat16)
+    result = {"limit": limit, "gate before": before, "gate 1..limit": all(gate(n) for n in range(1, limit + 1)),
+              "gate 0": gate(0), "gate limit+1": gate(limit + 1), "calls": []}
+    for tokens in (SMALL, limit + 1):
+        case = Case(tokens, HIDDEN, torch.bfloat16, residual=True, seed=tokens, eps=1e-5)
+        inputs = case.inputs(world_size)
+        norm = layernorm.RMSNorm(HIDDEN, eps=case.eps, weight_dtype=torch.bfloat16)
+        norm.weight.data.copy_(inputs["weight"])
+        residual = inputs["residual"].clone()
+        tpfuse.reset_stats()
+        with torch.inference_mode():
+            y, h = layernorm._forward_with_allreduce_fusion(norm, inputs["xs"][rank], residual, None, norm.weight,
+                                                            use_attn_tp_group=True)
+        result["calls"].append({"case": case, "y": y, "h": h, "stats": tpfuse.stats(),
+                                "residual kept": torch.equal(residual, inputs["residual"]),
+                                "h new": h.data_ptr() != residual.data_ptr()})
+    return result
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_sglang_on_ranks, 2, env={"TPFUSE_SGLANG": "1"})
+
+
+def test_sglang_fused_norm_caller_runs_tpfuse_on_two_ranks(ranks):
+    for i, label in enumerate(("small", "over the limit")):
+        calls = [r["calls"][i] for r in ranks]
+        assert all(c["y"] is not None and c["h"] is not None for c in calls), f"{label}: tpfuse declined"
+        check_results(calls[0]["case"], 2, [(c["y"], c["h"]) for c in calls])  # float64, ranks bit-identical
+        for rank, c in enumerate(calls):
+            assert c["residual kept"] and c["h new"], f"{label}, rank {rank}: residual modified or reused"
+            assert any(k.startswith("triton.") for k in c["stats"]), f"{label}, rank {rank}: {c['stats']}"
+    assert all(r["calls"][0]["stats"] == {"triton.oneshot": 1} for r in ranks), [r["calls"][0]["stats"] for r in ranks]
+
+
+def test_replaced_gate_follows_the_communicators_limit(ranks):
+    for r in ranks:
+        assert r["limit"] >= SMALL
+        assert (r["gate before"], r["gate 1..limit"], r["gate 0"], r["gate limit+1"]) == (False, True, False, False), r
