@@ -46,7 +46,7 @@ def register() -> None:
 
     for target, hook in ((FUSED_CALL, allreduce_residual_rmsnorm), (GATE, fusion_applies),
                          (WORKSPACE, create_communicators)):
-        HookRegistry.register(target, hook, HookType.REPLACE, source="tpfuse")
+        HookRegistry.register(target, hook, HookType.REPLACE)  # load_plugins() names tpfuse as the source
 
 
 def _fusion_group(use_attn_tp_group: bool):
