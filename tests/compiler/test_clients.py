@@ -53,16 +53,19 @@ def _token_ids(batch, seq, vocab=256):
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(batch * 1000 + seq))
 
 
-def _assert_fused(results, sites, calls_per_run=None, patterns=None, tolerance=2e-2):
-    """Every one of ``sites`` all-reduces fused (by ``patterns``, when given, in site order) into
-    ``calls_per_run`` kernel calls (default: one a site) for token counts below the limit, none above;
-    logits within ``tolerance`` of the largest."""
+def _assert_fused(results, sites, calls_per_run=None, patterns=None, tolerance=2e-2, plain=0):
+    """Every one of ``sites`` all-reduces fused (by ``patterns``, when given, in site order), but ``plain``
+    of them on tpfuse's plain all-reduce (no block end takes them in), into ``calls_per_run`` kernel calls
+    (default: one a site) for token counts below the limit, none above; logits within ``tolerance`` of
+    the largest."""
     for runs, compiles, reports in results:
         assert compiles == {"fused": 1, "plain": 1}, compiles  # one graph per range, batch and seq dynamic
         assert len(reports) == 1 and len(reports[0]) == sites, reports
-        assert all(": fused (" in line for line in reports[0]), reports
+        on_plain = [line for line in reports[0] if line.endswith("runs on tpfuse's plain all-reduce")]
+        assert len(on_plain) == plain and all(": fused (" in line for line in reports[0] if line not in on_plain), \
+            reports
         if patterns is not None:  # a tuple: any of these patterns
-            found = [line.split("fused (")[1].rstrip(")") for line in reports[0]]
+            found = [line.split("fused (")[1].rstrip(")") for line in reports[0] if ": fused (" in line]
             assert len(found) == len(patterns) and all(
                 f in (p if isinstance(p, tuple) else (p,)) for f, p in zip(found, patterns)), reports
         for (batch, seq), diff, calls in runs:
@@ -188,15 +191,25 @@ EMBEDDING_SITE_FROM_5_24 = {"Mixtral", "Qwen3Moe", "Qwen2Moe", "Qwen2", "Olmo2",
                             "Phi3", "Apertus"}
 
 
+# From transformers 5.24 (seen 2026-12-03, 2 CPU ranks), all-reduces no block end takes in: Qwen2-MoE's
+# shared expert and routed experts, each all-reduced apart (two more sites) and then added; OLMo 2/3's and
+# EXAONE 4's first, read by reshapes and an add before the post-norm. They run on tpfuse's plain all-reduce
+# (a kernel call each, as a fused site's).
+PLAIN_FROM_5_24 = {"Qwen2Moe": (2, 2), "Olmo2": (0, 1), "Olmo3": (0, 1), "Exaone4": (0, 1)}  # (new sites, plain)
+
+
 @pytest.mark.families
 @pytest.mark.parametrize("arch", MORE_FAMILIES)
 def test_more_hugging_face_families(rank_pool, tmp_path, arch):
     sites, calls, tolerance = MORE_FAMILIES[arch]
-    if arch in EMBEDDING_SITE_FROM_5_24 and _transformers_at_least(5, 24):
-        sites, calls = sites + 1, calls + 1
+    plain = 0
+    if _transformers_at_least(5, 24):
+        sites, calls = (sites + 1, calls + 1) if arch in EMBEDDING_SITE_FROM_5_24 else (sites, calls)
+        new_sites, plain = PLAIN_FROM_5_24.get(arch, (0, 0))
+        sites, calls = sites + new_sites, calls + new_sites
     pool = rank_pool(2)
     pool.run(_save_hf_model, arch, str(tmp_path))
-    _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900), sites, calls, None, tolerance)
+    _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900), sites, calls, None, tolerance, plain)
 
 
 # --- torch parallelize_module (torchtitan's plain tensor parallelism) ----------------------------------
