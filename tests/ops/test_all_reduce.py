@@ -3,7 +3,6 @@ kernels, over the workspace, the reference path, bit-identical ranks, and bad in
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import tpfuse
 from tpfuse.testing import forced_table, fused_calls

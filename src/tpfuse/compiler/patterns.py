@@ -113,10 +113,10 @@ class Match:
         """The site's token count: an int, or a sympy expression of the graph's size symbols."""
         return token_count(meta_val(self.h).shape)
 
-def token_limit_problem(m: Match, token_bound, fusion_limit: int, how_to_bound: str) -> str | None:
-    """Why the site may run with more tokens than ``fusion_limit`` (None: it may not); ``token_bound`` as
-    for :meth:`FusionPattern.extra_check`, ``how_to_bound`` what gives a graph a bound (for the reason)."""
-    tokens = m.tokens
+def token_limit_problem(tokens, token_bound, fusion_limit: int, how_to_bound: str) -> str | None:
+    """Why a site of ``tokens`` (an int or an expression) may run with more than ``fusion_limit`` (None: it
+    may not); ``token_bound`` as for :meth:`FusionPattern.extra_check`, ``how_to_bound`` what gives a
+    graph a bound (for the reason)."""
     bound = tokens if isinstance(tokens, int) else token_bound(tokens)
     if bound is None:
         return f"the token count {tokens} of this graph is unbounded ({how_to_bound})"
@@ -305,7 +305,7 @@ class FusionPattern:
             if any(static_int(s) is None and _size_source(m.all_reduce.graph, s, m) is None
                    for s in meta_val(node).shape):
                 return f"no input of the graph carries the sizes of {tuple(meta_val(node).shape)}"
-        return token_limit_problem(m, token_bound, fusion_limit, "compile with tpfuse.compile")
+        return token_limit_problem(m.tokens, token_bound, fusion_limit, "compile with tpfuse.compile")
 
     @classmethod
     def replace(cls, graph: Graph, m: Match) -> None:
@@ -435,11 +435,7 @@ def plain_all_reduce_problem(x: Node, reduce_op: str, token_bound, fusion_limit:
         return problem
     if fusion_limit <= 0:
         return "its group has no tpfuse communicator"
-    tokens = token_count(val.shape)
-    bound = tokens if isinstance(tokens, int) else token_bound(tokens)
-    if bound is None or bound > fusion_limit:
-        return f"its token count {tokens} may exceed the fusion limit {fusion_limit}"
-    return None
+    return token_limit_problem(token_count(val.shape), token_bound, fusion_limit, "no bound given")
 
 
 def replace_with_plain_all_reduce(graph: Graph, x: Node, group_name: str, result: Node) -> None:
