@@ -280,3 +280,24 @@ def test_static_fp8_as_vllm_writes_it_fuses_whole(form):
     while q.target is torch.ops.aten.reshape.default:
         q = q.args[0]
     assert q.target is operator.getitem and q.args == (fused, 0) and q.meta["val"].dtype == torch.float8_e4m3fn
+
+
+def test_gemmas_post_norm_into_the_next_add_fuses_as_one_site():
+    """Gemma 2/3 in vLLM: ``rms_norm`` of the sum (the post-norm, ``1 + w`` in fp32) read by the next
+    ``fused_add_rms_norm``: one fused op with the post-norm's gain as ``sum_weight``."""
+    all_reduce, add_norm, norm = _vllm_ops()
+
+    def forward(x, post_weight, weight):
+        residual = x * 2
+        post = norm(all_reduce(x, "tp:0"), post_weight.float() + 1.0, EPS)
+        return add_norm(post, residual, weight.float() + 1.0, EPS)
+
+    graph = vllm_graph(forward, torch.randn(4, HIDDEN, dtype=torch.bfloat16),
+                       *(torch.randn(HIDDEN, dtype=torch.bfloat16) for _ in range(2)))
+    fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
+    fusion(graph)
+    (site,) = fusion.reports[-1]
+    assert site.fused and site.pattern == "AllReducePostNormAddRMSNorm", str(site)
+    (fused,) = [n for n in graph.nodes if n.target is FUSED]
+    assert fused.kwargs["sum_weight"] is not None and fused.args[1] is not None
+    assert not [t for t in targets(graph) if str(t).startswith(("vllm::", "vllm_ir::"))]

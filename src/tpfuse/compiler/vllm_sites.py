@@ -167,15 +167,33 @@ def _ir_site(all_reduce: Node, group_name: str, hidden: int, norm: Node) -> tupl
     if variance_size is not None:
         return None, "vLLM's norm takes its variance over part of the row (variance_size)"
     graph = all_reduce.graph
+    after = next(iter(norm.users)) if residual is None and len(norm.users) == 1 else None
+    if after is not None and op_name(after) == ADD_NORM and after.args[0] is norm and len(all_reduce.users) == 1:
+        # Gemma 2/3: the norm of the sum (its post-norm) is what the next add takes: one site, the
+        # post-norm's gain the op's sum_weight (vLLM rounds the post-norm's output first, the kernels not)
+        gain, norm_eps = _arg(after, 2, "weight"), _arg(after, 3, "epsilon")
+        if gain is not None and _arg(after, 4, "variance_size") is None:
+            match = Match(all_reduce, x, group_name, "sum", _output(graph, after, 1), _output(graph, after, 0), gain,
+                          float(norm_eps), hidden, residual=after.args[1], internal=[all_reduce, norm, after],
+                          sum_weight=weight)
+            match.problem = _residual_problem(match.residual, val) or (
+                f"the post-norm's eps {float(eps)} differs from the norm's {float(norm_eps)}"
+                if float(eps) != float(norm_eps) else None)
+            return match, None
     if residual is None:  # h is the sum itself; its other users read the op's h
         match = Match(all_reduce, x, group_name, "sum", all_reduce, norm, weight, float(eps), hidden)
     else:
         match = Match(all_reduce, x, group_name, "sum", _output(graph, norm, 1), _output(graph, norm, 0), weight,
                       float(eps), hidden, residual=residual, internal=[all_reduce, norm])
-        r = meta_val(residual)
-        if not isinstance(r, torch.Tensor) or r.dtype != val.dtype or tuple(r.shape) != tuple(val.shape):
-            match.problem = "the residual is not a tensor of the all-reduce's dtype and shape"
+        match.problem = _residual_problem(residual, val)
     return match, None
+
+
+def _residual_problem(residual, val: torch.Tensor) -> str | None:
+    r = meta_val(residual) if isinstance(residual, Node) else None
+    if not isinstance(r, torch.Tensor) or r.dtype != val.dtype or tuple(r.shape) != tuple(val.shape):
+        return "the residual is not a tensor of the all-reduce's dtype and shape"
+    return None
 
 
 def _quantised_site(all_reduce: Node, group_name: str, hidden: int, fused: Node) -> tuple[Match | None, str | None]:
@@ -241,5 +259,5 @@ def _native_site(all_reduce: Node, group_name: str, hidden: int) -> Match | None
 
 def pattern_of(match: Match) -> type[FusionPattern]:
     """The pattern whose checks and replacement serve a vLLM site: with or without a residual and fp8."""
-    return _PATTERNS[f"AllReduce{'Add' if match.residual is not None else ''}RMSNorm"
-                     f"{'Quant' if match.scale is not None else ''}"]
+    return _PATTERNS[f"AllReduce{'PostNorm' if match.sum_weight is not None else ''}"
+                     f"{'Add' if match.residual is not None else ''}RMSNorm{'Quant' if match.scale is not None else ''}"]
