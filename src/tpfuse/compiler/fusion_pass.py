@@ -156,10 +156,13 @@ class FusionPass(CustomGraphPass):
     def _token_bound(self, tokens) -> int | None:
         return self.token_bounds.get(str(tokens), self.max_tokens)
 
-    def _fusion_limit(self, match: Match) -> int:
+    def _fusion_limit(self, group_name: str, hidden: int, dtype: torch.dtype) -> int:
         if self.fusion_limit is not None:
             return self.fusion_limit
-        return communicator_limit(match.group_name, match.hidden, match.x.meta["val"].dtype)
+        return communicator_limit(group_name, hidden, dtype)
+
+    def _site_limit(self, match: Match) -> int:
+        return self._fusion_limit(match.group_name, match.hidden, meta_val(match.x).dtype)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.pattern_matcher import stable_topological_sort
@@ -176,7 +179,7 @@ class FusionPass(CustomGraphPass):
                 match = pattern.search(node)
                 if match is None:
                     continue
-                reason = pattern.extra_check(match, self._token_bound, self._fusion_limit(match))
+                reason = pattern.extra_check(match, self._token_bound, self._site_limit(match))
                 if reason is None:
                     reports = [SiteReport(*_describe(n), True, pattern.__name__)
                                for n in [node] + match.merged]
@@ -212,7 +215,7 @@ class FusionPass(CustomGraphPass):
         match, reason = vllm_sites.find_site(node, self.vllm_groups[group_name])
         pattern = vllm_sites.pattern_of(match) if match is not None else None
         if pattern is not None:
-            reason = pattern.extra_check(match, self._token_bound, self._fusion_limit(match))
+            reason = pattern.extra_check(match, self._token_bound, self._site_limit(match))
         if reason is not None:
             return SiteReport(shape, dtype, group_name, False, pattern and pattern.__name__, reason), node
         pattern.replace(node.graph, match)
@@ -229,8 +232,7 @@ class FusionPass(CustomGraphPass):
         else:  # vLLM: all_reduce(x, vLLM's group name), its group's c10d name known
             x, reduce_op, group_name, result = node.args[0], "sum", self.vllm_groups[node.args[1]], node
         val = meta_val(x)
-        limit = (self.fusion_limit if self.fusion_limit is not None else
-                 communicator_limit(group_name, static_int(val.shape[-1]) or 0, val.dtype) if val.dim() else 0)
+        limit = self._fusion_limit(group_name, static_int(val.shape[-1]) or 0, val.dtype) if val.dim() else 0
         if plain_all_reduce_problem(x, reduce_op, self._token_bound, limit) is not None:
             return report
         if str(token_count(val.shape)) in self.token_bounds.keys() - _bounds_relied_on[self._tag]:

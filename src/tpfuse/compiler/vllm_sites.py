@@ -37,7 +37,7 @@ import torch
 from torch.fx import Graph, Node
 
 from tpfuse.compiler.matchers import (
-    converts_to, is_add, is_call, match_rmsnorm, meta_val, only_user, other_arg, prims,
+    converts_to, is_add, is_call, match_rmsnorm, meta_val, only_user, other_arg, prims, residual_problem,
 )
 from tpfuse.compiler.patterns import PATTERNS, FusionPattern, Match, site_problem
 from tpfuse.compiler.sizes import describe_shape, static_int
@@ -176,7 +176,7 @@ def _ir_site(all_reduce: Node, group_name: str, hidden: int, norm: Node) -> tupl
             match = Match(all_reduce, x, group_name, "sum", _output(graph, after, 1), _output(graph, after, 0), gain,
                           float(norm_eps), hidden, residual=after.args[1], internal=[all_reduce, norm, after],
                           sum_weight=weight)
-            match.problem = _residual_problem(match.residual, val) or (
+            match.problem = residual_problem(match.residual, all_reduce, val, hidden) or (
                 f"the post-norm's eps {float(eps)} differs from the norm's {float(norm_eps)}"
                 if float(eps) != float(norm_eps) else None)
             return match, None
@@ -185,15 +185,9 @@ def _ir_site(all_reduce: Node, group_name: str, hidden: int, norm: Node) -> tupl
     else:
         match = Match(all_reduce, x, group_name, "sum", _output(graph, norm, 1), _output(graph, norm, 0), weight,
                       float(eps), hidden, residual=residual, internal=[all_reduce, norm])
-        match.problem = _residual_problem(residual, val)
+        match.problem = residual_problem(residual, all_reduce, val, hidden)
     return match, None
 
-
-def _residual_problem(residual, val: torch.Tensor) -> str | None:
-    r = meta_val(residual) if isinstance(residual, Node) else None
-    if not isinstance(r, torch.Tensor) or r.dtype != val.dtype or tuple(r.shape) != tuple(val.shape):
-        return "the residual is not a tensor of the all-reduce's dtype and shape"
-    return None
 
 
 def _quantised_site(all_reduce: Node, group_name: str, hidden: int, fused: Node) -> tuple[Match | None, str | None]:
