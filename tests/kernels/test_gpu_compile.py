@@ -15,7 +15,7 @@ import pytest
 POINTERS = {"x_ptr": "*{dt}", "residual_ptr": "*{dt}", "weight_ptr": "*{dt}", "y_ptr": "*{yt}",
             "h_ptr": "*{dt}", "peer_ptrs_ptr": "*i64", "state_ptr": "*i32"}
 #: The block end's pointers (the kernels' ``steps``, ``epilogue.StepTensors``): fp32 scales, the rest x's.
-STEP_POINTERS = {"quant_scale": "*fp32", "scales": "*fp32"}
+STEP_POINTERS = {"quant_scale": "*fp32", "scales": "*fp32", "topk_weights": "*fp32"}
 SCALARS = {"n_tokens": "i32", "hidden": "i32", "region_elems": "i32", "eps": "fp32", "wait_limit": "i64",
            "pushers": "i32", "group_rows": "i32"}
 ONESHOT = dict(CLEAR_FIRST=True, RELAXED_ARRIVE=True, SPLIT_PUSH=False, PUSH_CHUNKS=1, X_FIRST=False)
@@ -23,6 +23,7 @@ STATIC_FP8 = dict(QUANT=1)
 # The epilogue's steps (kernels/epilogue.py): Phi's bias + LayerNorm, Gemma's post-norm, dynamic fp8.
 LAYER_NORM = dict(HAS_BIAS=True, LAYER_NORM=True, HAS_NORM_BIAS=True)
 GEMMA_PER_GROUP = dict(SUM_NORM=True, QUANT=2, SCALE_GROUP=128)
+MOE = dict(EXPERTS=8, TOPK_WEIGHTS=True, SHARED_EXPERT=True)
 # (kernel, world, dtype, constexprs)
 SHAPES = [
     ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192)),
@@ -51,9 +52,14 @@ SHAPES = [
     # A plain all-reduce (tpfuse.all_reduce): no norm, no y.
     ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, NORMED=False)),
     ("twoshot", 4, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False, NORMED=False)),
+    # A MoE finalize before the sum: 8 experts' outputs weighted, a shared expert (split push too).
+    ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=4096, BLOCK_C=4096, **MOE)),
+    ("oneshot", 4, "bf16", dict(ONESHOT, BLOCK_H=8192, SPLIT_PUSH=True, PUSH_CHUNKS=4, BLOCK_C=2048, **MOE)),
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False, **MOE)),
+    ("twoshot", 2, "bf16", dict(BLOCK_H=4096, GROUPED=True, WIRE=True, **MOE)),
 ]
 PLAIN = dict(HAS_BIAS=False, SUM_NORM=False, LAYER_NORM=False, HAS_NORM_BIAS=False, QUANT=0, SCALE_GROUP=0,
-             NORMED=True)
+             NORMED=True, EXPERTS=0, TOPK_WEIGHTS=False, SHARED_EXPERT=False)
 
 
 def compile_shape(name: str, world: int, dtype: str, constexprs: dict, target, use_pdl: bool, max_warps: int):

@@ -24,8 +24,9 @@ class FusedCall(NamedTuple):
 
     Attributes
     ----------
-    x : Tensor [T, H]
-        This rank's partial result (bf16, fp16 or fp32), contiguous.
+    x : Tensor [T, H] or [T, K, H]
+        This rank's partial result (bf16, fp16 or fp32), contiguous; [T, K, H]: the outputs of each
+        token's top-k experts, which a MoE finalize sums first (``Epilogue.experts``).
     residual : Tensor [T, H] or None
         Added after the sum; None means zero.
     weight : Tensor [H]
@@ -54,7 +55,8 @@ class FusedCall(NamedTuple):
 
     @property
     def hidden(self) -> int:
-        return self.x.shape[1]
+        return self.x.shape[-1]
+
 
     def outputs(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the call writes."""
@@ -64,7 +66,8 @@ class FusedCall(NamedTuple):
         """The same call restricted to rows ``start:stop`` (rows are independent)."""
         part = slice(start, stop)
         return self._replace(x=self.x[part], residual=None if self.residual is None else self.residual[part],
-                       y=self.y[part], h=self.h[part], scales=None if self.scales is None else self.scales[part])
+                             y=self.y[part], h=self.h[part], epilogue=self.epilogue.rows(part),
+                             scales=None if self.scales is None else self.scales[part])
 
     def kernel_tensors(self) -> tuple:
         """The call's tensors as every kernel of ours takes them, in order: x, residual, weight, y, h, then
@@ -94,5 +97,5 @@ class FusedCall(NamedTuple):
         """What about this call, besides its row count, decides a compiled kernel: dtypes, hidden size,
         the residual and the block end's steps."""
         x = self.x
-        return (x.shape[1], x.dtype, self.y.dtype, self.weight.dtype, self.residual is not None,
+        return (x.shape[-1], x.dtype, self.y.dtype, self.weight.dtype, self.residual is not None,
                 self.epilogue.signature)

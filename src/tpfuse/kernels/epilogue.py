@@ -2,6 +2,9 @@
 
 For each row, in fp32, with every step but the sum optional::
 
+    x = sum over k of topk_weights[k] * x[k] + shared_expert   # a MoE block's finalize, on each rank,
+                                                    #   rounded to x's dtype (x [T, K, H]: the top-k
+                                                    #   experts' outputs)
     s = sum over ranks of x
     s = s + bias                                    # a row-parallel layer's bias, added once after the sum
     s = rmsnorm(s) * sum_weight                     # Gemma 2/3's post-norm, before the residual add
@@ -42,8 +45,8 @@ QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
 
 @dataclass(frozen=True, eq=False)
 class Epilogue:
-    """A call's block end: the optional steps between the sum and the norm's output, beyond the residual
-    add. The default is the plain ``all-reduce (+ residual) -> RMSNorm``.
+    """A call's block end: the optional steps around the sum, beyond the residual add and the norm. The
+    default is the plain ``all-reduce (+ residual) -> RMSNorm``.
 
     The fields are declared once, here: the ops' schemas (:func:`schema`), their Python signatures and
     the compiler's replacement all come from them, in this order.
@@ -67,6 +70,15 @@ class Epilogue:
     normed : bool
         False: the call ends at ``h`` (a plain all-reduce, with the other steps before the norm if
         any): no norm, ``y`` is not written, the weight and eps are not read.
+    experts : int
+        A MoE block's finalize: x is [T, K, H], the outputs of each token's top-k experts (K =
+        ``experts``), and each rank sums them before the all-reduce. 0: x is [T, H].
+    topk_weights : Tensor [T, K] or None
+        The finalize's weights of the experts' outputs (float32 or x's dtype); None: the outputs are
+        weighted already.
+    shared_expert : Tensor [T, H] or None
+        Added to this rank's part before the all-reduce (a MoE block's shared expert, or any second
+        partial sum), in x's dtype.
     """
 
     quant_scale: torch.Tensor | None = None
@@ -76,12 +88,15 @@ class Epilogue:
     norm_bias: torch.Tensor | None = None
     scale_group: int = 0
     normed: bool = True
+    experts: int = 0
+    topk_weights: torch.Tensor | None = None
+    shared_expert: torch.Tensor | None = None
 
     @property
     def plain(self) -> bool:
         """Nothing beyond the residual add, RMSNorm and a static scale (what every backend runs)."""
         return (self.bias is None and self.sum_weight is None and not self.layer_norm
-                and self.scale_group == 0 and self.normed)
+                and self.scale_group == 0 and self.normed and self.experts == 0 and self.shared_expert is None)
 
     @property
     def fp8_output(self) -> bool:
@@ -91,7 +106,16 @@ class Epilogue:
     def signature(self) -> tuple:
         """What about this block end decides a compiled kernel: which steps, and their tensors' dtypes."""
         return (_dtype(self.quant_scale), _dtype(self.bias), _dtype(self.sum_weight), self.layer_norm,
-                _dtype(self.norm_bias), self.scale_group, self.normed)
+                _dtype(self.norm_bias), self.scale_group, self.normed, self.experts, _dtype(self.topk_weights),
+                _dtype(self.shared_expert))
+
+    def rows(self, part: slice) -> Epilogue:
+        """The block end of rows ``part`` of the call: the MoE finalize's tensors are per row."""
+        if self.topk_weights is None and self.shared_expert is None:
+            return self
+        return dataclasses.replace(
+            self, topk_weights=None if self.topk_weights is None else self.topk_weights[part],
+            shared_expert=None if self.shared_expert is None else self.shared_expert[part])
 
     def flags(self, hidden: int) -> int:
         """The descriptor bits (``layout.FLAG_*``) that tell this block end from others."""
@@ -102,7 +126,8 @@ class Epilogue:
                 | (layout.FLAG_NORM_BIAS if self.norm_bias is not None else 0)
                 | (layout.FLAG_DYNAMIC_TOKEN if self.scale_group == hidden else 0)
                 | (layout.FLAG_DYNAMIC_GROUP if 0 < self.scale_group < hidden else 0)
-                | (0 if self.normed else layout.FLAG_NO_NORM))
+                | (0 if self.normed else layout.FLAG_NO_NORM)
+                | (layout.FLAG_MOE_FINALIZE if self.experts or self.shared_expert is not None else 0))
 
     def switches(self, hidden: int) -> Switches:
         """The kernels' compile-time switches for this block end (their ``STEPS`` argument)."""
@@ -112,7 +137,8 @@ class Epilogue:
                         QUANT=QUANT_DYNAMIC if dynamic else QUANT_STATIC if self.quant_scale is not None
                         else QUANT_NONE,
                         SCALE_GROUP=self.scale_group if dynamic and self.scale_group < hidden else 0,
-                        NORMED=self.normed)
+                        NORMED=self.normed, EXPERTS=self.experts, TOPK_WEIGHTS=self.topk_weights is not None,
+                        SHARED_EXPERT=self.shared_expert is not None)
 
     def step_tensors(self, stand_in: torch.Tensor, scales: torch.Tensor | None) -> StepTensors:
         """The kernels' ``steps`` argument: each tensor step (``stand_in``, never read, for an absent one),
@@ -131,6 +157,9 @@ class Switches(NamedTuple):
     QUANT: int  # QUANT_NONE, QUANT_STATIC or QUANT_DYNAMIC
     SCALE_GROUP: int  # dynamic fp8: elements a scale, or 0 for one scale a token
     NORMED: bool  # False: no norm, y not written (a plain all-reduce)
+    EXPERTS: int  # K of a MoE finalize's x [T, K, H], or 0 (x [T, H])
+    TOPK_WEIGHTS: bool  # the finalize weights the experts' outputs
+    SHARED_EXPERT: bool  # a shared expert's output is added to this rank's part
 
 
 def _dtype(t: torch.Tensor | None) -> torch.dtype | None:
@@ -186,6 +215,38 @@ def _load_params(weight_ptr, steps, cols, mask, STEPS: tl.constexpr):
     if STEPS.HAS_NORM_BIAS:
         nb = tl.load(steps.norm_bias + cols, mask=mask, other=0.0).to(tl.float32)
     return Params(w, b, sw, nb)
+
+
+@triton.jit
+def _moe_partial(x_ptr, steps, row, cols, mask, hidden, STEPS: tl.constexpr):
+    """This rank's part of row ``row`` made by a MoE finalize, in fp32: the top-k experts' outputs
+    (x [T, K, H]; or x [T, H]) weighted and summed, plus the shared expert's."""
+    EXPERTS: tl.constexpr = STEPS.EXPERTS
+    offs = row.to(tl.int64) * hidden + cols
+    if EXPERTS == 0:
+        part = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        part = tl.zeros(cols.shape, tl.float32)
+        at = row.to(tl.int64) * (EXPERTS * hidden) + cols
+        for k in tl.static_range(EXPERTS):
+            expert = tl.load(x_ptr + at + k * hidden, mask=mask, other=0.0).to(tl.float32)
+            if STEPS.TOPK_WEIGHTS:
+                expert = expert * tl.load(steps.topk_weights + row.to(tl.int64) * EXPERTS + k).to(tl.float32)
+            part += expert
+    if STEPS.SHARED_EXPERT:
+        part += tl.load(steps.shared_expert + offs, mask=mask, other=0.0).to(tl.float32)
+    return part
+
+
+@triton.jit
+def _partial_row(x_ptr, steps, row, cols, mask, hidden, STEPS: tl.constexpr):
+    """This rank's part of row ``row`` in fp32: x's row, or a MoE finalize's (:func:`_moe_partial`)
+    rounded to x's dtype, as ``protocol._partial_bits`` sends it (the fp8 wire's and the local
+    kernel's input)."""
+    if STEPS.EXPERTS == 0 and not STEPS.SHARED_EXPERT:
+        return tl.load(x_ptr + row.to(tl.int64) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    part = _moe_partial(x_ptr, steps, row, cols, mask, hidden, STEPS)
+    return part.to(x_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit

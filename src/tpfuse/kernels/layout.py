@@ -41,11 +41,13 @@ FLAG_DYNAMIC_TOKEN, FLAG_DYNAMIC_GROUP = 512, 1024
 FLAG_FP8_WIRE = 2048
 #: A plain all-reduce: the call ends at h (``Epilogue.normed`` False).
 FLAG_NO_NORM = 4096
+#: A MoE finalize before the sum (``Epilogue.topk_weights`` / ``shared_expert``, x [T, K, H]).
+FLAG_MOE_FINALIZE = 8192
 _FLAG_WORDS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYER_NORM, "LayerNorm"),
                (FLAG_NORM_BIAS, "norm bias"), (FLAG_QUANT, "fp8 output"),
                (FLAG_DYNAMIC_TOKEN, "fp8 output scaled per token"),
                (FLAG_DYNAMIC_GROUP, "fp8 output scaled per group"), (FLAG_FP8_WIRE, "fp8 wire"),
-               (FLAG_NO_NORM, "no norm"))
+               (FLAG_NO_NORM, "no norm"), (FLAG_MOE_FINALIZE, "MoE finalize"))
 
 
 #: Words after the descriptors that nothing writes: on AMD a wait reads a row's whole block of

@@ -1,7 +1,7 @@
 """The block end alone, for a group of one rank (tensor parallelism of 1): nothing to sum or send.
 
 The same model run at TP=1 still calls the fused op at every block end; here it is one kernel that
-reads x (the whole sum) and the residual once and writes y and h, with every step of
+reads x (the whole sum, or a MoE block's experts to finalize) and the residual once and writes y and h, with every step of
 ``kernels/epilogue.py``, as the one-shot kernel computes them. No workspace, no communicator needed.
 """
 
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.epilogue import _before_residual, _load_params, _store_normed
+from tpfuse.kernels.epilogue import _before_residual, _load_params, _partial_row, _store_normed
 from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
 from tpfuse.kernels.protocol import launch_config
 
@@ -26,7 +26,7 @@ def _local_add_rmsnorm_kernel(
     mask = cols < hidden
     offs = row.to(tl.int64) * hidden + cols
     params = _load_params(weight_ptr, steps, cols, mask, STEPS)
-    h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = _partial_row(x_ptr, steps, row, cols, mask, hidden, STEPS)
     h = _before_residual(h, params, hidden, eps, STEPS)
     if HAS_RESIDUAL:
         h += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -47,9 +47,8 @@ def _local_plan(call: FusedCall) -> LaunchPlan:
 
 def local_add_rmsnorm(call: FusedCall) -> None:
     """Write ``call``'s outputs from ``x`` alone (the sum over one rank): one program a row."""
-    x = call.x
-    n_tokens, hidden = x.shape
+    n_tokens = call.n_tokens
     if n_tokens == 0:
         return
-    plan = kept_plan(_plans, (x.device, n_tokens, call.kernel_key()), lambda: _local_plan(call))
-    launch(plan, call, (hidden, call.eps))
+    plan = kept_plan(_plans, (call.x.device, n_tokens, call.kernel_key()), lambda: _local_plan(call))
+    launch(plan, call, (call.hidden, call.eps))

@@ -38,23 +38,23 @@ from tpfuse.kernels.epilogue import _before_residual, _load_params, _store_norme
 from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
-                                     _multiple_of_8, _peer_base, _send_to_peers, _sendable_bits, _slots,
+                                     _multiple_of_8, _partial_bits, _peer_base, _send_to_peers, _slots,
                                      _start_clock, _sum_in_rank_order, call_constexprs, call_scalars,
                                      launch_config, workspace_tensors)
 from tpfuse.kernels.vendor import pdl_start
 
 
 @triton.jit
-def _chunk_offsets(chunk, hidden, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """(offsets into x, mask) of chunk ``chunk``: a row is CHUNKS chunks of BLOCK_C words."""
+def _chunk_place(chunk, hidden, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(row, columns, mask) of chunk ``chunk``: a row is CHUNKS chunks of BLOCK_C words."""
     cols = (chunk % CHUNKS) * BLOCK_C + tl.arange(0, BLOCK_C)
-    return (chunk // CHUNKS).to(tl.int64) * hidden + cols, cols < hidden
+    return chunk // CHUNKS, cols, cols < hidden
 
 
 @triton.jit
-def _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, first, step, first_bits,
+def _push_chunks(x_ptr, steps, peer_ptrs_ptr, dst_base, hidden, n_tokens, first, step, first_bits,
                  RANK: tl.constexpr, WORLD: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_C: tl.constexpr,
-                 PRELOADED: tl.constexpr):
+                 PRELOADED: tl.constexpr, STEPS: tl.constexpr):
     """Store chunks first, first + step, ... of x into every peer's buffer (not our own).
 
     A row is CHUNKS chunks of BLOCK_C words, numbered row by row; with CHUNKS = 1 a chunk is a row.
@@ -63,12 +63,14 @@ def _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, first, step, 
     chunk = first
     if PRELOADED:
         if chunk < n_tokens * CHUNKS:
-            offs, mask = _chunk_offsets(chunk, hidden, CHUNKS, BLOCK_C)
-            _send_to_peers(peer_ptrs_ptr, dst_base + offs, first_bits, mask, RANK, WORLD)
+            row, cols, mask = _chunk_place(chunk, hidden, CHUNKS, BLOCK_C)
+            _send_to_peers(peer_ptrs_ptr, dst_base + row.to(tl.int64) * hidden + cols, first_bits, mask, RANK,
+                           WORLD)
         chunk += step
     while chunk < n_tokens * CHUNKS:
-        offs, mask = _chunk_offsets(chunk, hidden, CHUNKS, BLOCK_C)
-        _send_to_peers(peer_ptrs_ptr, dst_base + offs, _sendable_bits(x_ptr, offs, mask), mask, RANK, WORLD)
+        row, cols, mask = _chunk_place(chunk, hidden, CHUNKS, BLOCK_C)
+        _send_to_peers(peer_ptrs_ptr, dst_base + row.to(tl.int64) * hidden + cols,
+                       _partial_bits(x_ptr, steps, row, cols, mask, hidden, STEPS), mask, RANK, WORLD)
         chunk += step
 
 
@@ -93,8 +95,9 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         pushes = n_tokens * PUSH_CHUNKS
         if SPLIT_PUSH:
             pushes = tl.minimum(pushes, pushers)
-        first_offs, first_mask = _chunk_offsets(pid, hidden, PUSH_CHUNKS, BLOCK_C)
-        first_bits = _sendable_bits(x_ptr, first_offs, first_mask & (pid < pushes))
+        first_row, first_cols, first_mask = _chunk_place(pid, hidden, PUSH_CHUNKS, BLOCK_C)
+        first_bits = _partial_bits(x_ptr, steps, first_row, first_cols, first_mask & (pid < pushes), hidden,
+                                   STEPS)
         call, slot, slot_base, prev_slot, prev_extent = _slots(state_ptr, region_elems, WORLD, False)
     else:
         first_bits = tl.zeros([BLOCK_C], tl.int16)
@@ -113,16 +116,16 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         # programs in order, has pushed everything before any program waits.
         first_row = pid - pushers
         if first_row < 0:
-            _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, pid, pushers, first_bits, RANK,
-                         WORLD, PUSH_CHUNKS, BLOCK_C, X_FIRST)
+            _push_chunks(x_ptr, steps, peer_ptrs_ptr, dst_base, hidden, n_tokens, pid, pushers, first_bits,
+                         RANK, WORLD, PUSH_CHUNKS, BLOCK_C, X_FIRST, STEPS)
             first_row = n_tokens  # nothing to reduce
         row_step = n_programs - pushers
     else:
         # Rows are dealt to programs round-robin, identically on every rank (same grid everywhere), so
         # a program only ever waits for rows that the same program of a peer pushes. Push all our rows
         # first: everything is in flight before the first wait.
-        _push_chunks(x_ptr, peer_ptrs_ptr, dst_base, hidden, n_tokens, pid, n_programs, first_bits, RANK,
-                     WORLD, PUSH_CHUNKS, BLOCK_C, X_FIRST)
+        _push_chunks(x_ptr, steps, peer_ptrs_ptr, dst_base, hidden, n_tokens, pid, n_programs, first_bits,
+                     RANK, WORLD, PUSH_CHUNKS, BLOCK_C, X_FIRST, STEPS)
         first_row = pid
         row_step = n_programs
     if CLEAR_FIRST:  # the previous slot is ours alone until our next call: clear it while data flies
@@ -137,7 +140,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         # Everything that does not depend on peers is loaded before the wait.
         if HAS_RESIDUAL:
             res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x_bits = _sendable_bits(x_ptr, offs, mask)
+        x_bits = _partial_bits(x_ptr, steps, row, cols, mask, hidden, STEPS)
         h, failed = _sum_in_rank_order(x_ptr, x_bits, own + slot_base, region_elems, offs, mask, deadline,
                                        failed, RANK, WORLD, BLOCK_H)
         h = _before_residual(h, params, hidden, eps, STEPS)
@@ -194,7 +197,7 @@ def oneshot_allreduce_add_rmsnorm(ctx: LaunchContext, call: FusedCall,
 
 
 def _oneshot_plan(ctx: LaunchContext, call: FusedCall, variant: OneShotVariant) -> LaunchPlan:
-    n_tokens, hidden = call.x.shape
+    n_tokens, hidden = call.n_tokens, call.hidden
     block_h, num_warps, use_pdl = launch_config(hidden, call.x.device, variant.pdl, variant.max_warps)
     # One row a program, at most max_programs (the grid must be resident). Two large rows a program
     # from 65 tokens on stopped paying once rows moved 16 bytes an access: one row a program

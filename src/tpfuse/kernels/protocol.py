@@ -16,6 +16,7 @@ import triton.language as tl
 
 from tpfuse.kernels import layout, vendor
 from tpfuse.kernels.call import FusedCall
+from tpfuse.kernels.epilogue import _moe_partial
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.vendor import arrive, load_polled, now, pdl_start, store_shared
 
@@ -64,7 +65,7 @@ def call_scalars(ctx: LaunchContext, call: FusedCall) -> tuple:
     graph and replayed later; on the CPU it is the launch's deadline, which every program shares (the
     interpreter runs programs one after another, so a per-program duration would add up).
     """
-    n_tokens, hidden = call.x.shape
+    n_tokens, hidden = call.n_tokens, call.hidden
     device = call.x.device
     if device.type == "cuda":
         wait = _gpu_wait_ticks(ctx.wait_limit_ns, device.index)
@@ -81,7 +82,7 @@ def _gpu_wait_ticks(wait_limit_ns: int, index: int) -> int:
 
 def call_constexprs(ctx: LaunchContext, call: FusedCall, twoshot: bool, wire: bool = False) -> dict:
     """The switches both kernels compile in for this kind of call (decided once per kind: a plan)."""
-    n_tokens, hidden = call.x.shape
+    n_tokens, hidden = call.n_tokens, call.hidden
     workspace = ctx.workspace
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == layout.STATE_LEN
     # The kernels take both for multiples of 8 (16-byte rows); select.kernel_supports admits no others.
@@ -248,6 +249,16 @@ def _nan_bits(ptr):
         return tl.full([], 0x7FC0, tl.int16)
     else:
         return tl.full([], 0x7E00, tl.int16)
+
+
+@triton.jit
+def _partial_bits(x_ptr, steps, row, cols, mask, hidden, STEPS: tl.constexpr):
+    """This rank's part of row ``row`` as the sendable 16-bit words the kernels exchange: x's row, or a
+    MoE finalize's (``epilogue._moe_partial``) rounded to x's dtype, which the peers sum as they sum x."""
+    if STEPS.EXPERTS == 0 and not STEPS.SHARED_EXPERT:
+        return _sendable_bits(x_ptr, row.to(tl.int64) * hidden + cols, mask)
+    part = _moe_partial(x_ptr, steps, row, cols, mask, hidden, STEPS).to(x_ptr.dtype.element_ty)
+    return _sendable(part.to(tl.int16, bitcast=True))
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """Pure-torch reference of the fused op: the reference backend's math and the kernels' oracle.
 
-The steps are those of ``kernels/epilogue.py``: sum, + bias, post-norm, + residual, RMSNorm or
-LayerNorm, fp8 with a static or dynamic scale.
+The steps are those of ``kernels/epilogue.py``: a MoE finalize, sum, + bias, post-norm, + residual,
+RMSNorm or LayerNorm, fp8 with a static or dynamic scale.
 """
 
 from __future__ import annotations
@@ -11,7 +11,28 @@ import torch
 from tpfuse.kernels.epilogue import PLAIN, Epilogue
 from tpfuse.kernels.vendor import Fp8Format, fp8_format
 
-__all__ = ["add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64"]
+__all__ = ["add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64", "rank_part"]
+
+
+def rank_part(x: torch.Tensor, epilogue: Epilogue = PLAIN, accumulate: torch.dtype = torch.float32) -> torch.Tensor:
+    """What one rank contributes to the sum: x [T, H] itself, or a MoE finalize's
+    ``sum_k topk_weights[:, k] * x[:, k] + shared_expert`` (x [T, K, H]) computed in ``accumulate``
+    (float32 as the kernels, float64 for the oracle) and rounded to x's dtype, as the kernels send it
+    (and as a model's unfused MoE block hands its output to the all-reduce).
+    """
+    if x.dim() == 2 and epilogue.shared_expert is None:
+        return x
+    part = x.to(accumulate)
+    if x.dim() == 3:
+        if epilogue.topk_weights is not None:
+            part = part * epilogue.topk_weights.to(accumulate).unsqueeze(-1)
+        experts = part.unbind(1)
+        part = experts[0]
+        for expert in experts[1:]:  # in the kernels' order: one rounding can move a dynamic fp8 code
+            part = part + expert
+    if epilogue.shared_expert is not None:
+        part = part + epilogue.shared_expert.to(accumulate)
+    return part.to(x.dtype)
 
 
 def _rmsnorm(s: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,7 +110,8 @@ def fused_reference_float64(
     epilogue: Epilogue = PLAIN,
     fmt: Fp8Format | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole op in float64 from every rank's input: the oracle tests compare against.
+    """The whole op in float64 from every rank's part (after a MoE finalize: :func:`rank_part` in
+    float64; ``epilogue``'s finalize tensors are not read): the oracle tests compare against.
 
     Returns float64 ``(y, h)``; with a static scale ``y`` is divided by it and clamped to the largest
     value of ``fmt`` (default: the fp8 format of ``xs``' device, ``vendor.fp8_format``), but not

@@ -35,12 +35,12 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.epilogue import _before_residual, _load_params, _store_normed
+from tpfuse.kernels.epilogue import _before_residual, _load_params, _partial_row, _store_normed
 from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
-                                     _multiple_of_8, _nan_bits, _peer_base, _poisoned, _send_to_peers,
-                                     _sendable, _sendable_bits, _slots, _start_clock, _sum_in_rank_order,
+                                     _multiple_of_8, _nan_bits, _partial_bits, _peer_base, _poisoned,
+                                     _send_to_peers, _sendable, _slots, _start_clock, _sum_in_rank_order,
                                      _wait_row, call_constexprs, call_scalars, launch_config,
                                      workspace_tensors)
 from tpfuse.kernels.vendor import store_shared
@@ -91,39 +91,35 @@ def _wait_wire(region, row, hidden, deadline, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _x_row(x_ptr, offs, mask):
-    return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, last, cols, mask,
-             RANK: tl.constexpr, WORLD: tl.constexpr, WIRE: tl.constexpr, BLOCK_H: tl.constexpr):
+def _scatter(x_ptr, steps, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, last, cols, mask,
+             RANK: tl.constexpr, WORLD: tl.constexpr, WIRE: tl.constexpr, BLOCK_H: tl.constexpr,
+             STEPS: tl.constexpr):
     """Send this program's rows first..last-1 (its own numbering) that another rank owns, to that owner."""
     i = first
     while i < last:
         row = pid + i * n_programs
         owner = _owner(row, n_programs, WORLD)
         if owner != RANK:
-            offs = row.to(tl.int64) * hidden + cols
             if WIRE:
-                words, exponents = _encode(_x_row(x_ptr, offs, mask), BLOCK_H)
+                words, exponents = _encode(_partial_row(x_ptr, steps, row, cols, mask, hidden, STEPS), BLOCK_H)
                 _send_wire(_peer_base(peer_ptrs_ptr, owner) + send_base, row, hidden, words, exponents,
                            BLOCK_H)
             else:
-                store_shared(_peer_base(peer_ptrs_ptr, owner) + send_base + offs,
-                             _sendable_bits(x_ptr, offs, mask), mask)
+                store_shared(_peer_base(peer_ptrs_ptr, owner) + send_base + row.to(tl.int64) * hidden + cols,
+                             _partial_bits(x_ptr, steps, row, cols, mask, hidden, STEPS), mask)
         i += 1
 
 
 @triton.jit
-def _sum_wire_in_rank_order(x_ptr, offs, mask, own_slot, region_elems, row, hidden, deadline, failed,
-                            RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr):
+def _sum_wire_in_rank_order(x_ptr, steps, cols, mask, own_slot, region_elems, row, hidden, deadline, failed,
+                            RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
+                            STEPS: tl.constexpr):
     """fp32 sum of one row over the ranks, in rank order, each rank's x as the fp8 wire carries it (ours
     quantised here too); NaN once the call failed. Returns (sum, failed)."""
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for r in tl.static_range(WORLD):
         if r == RANK:
-            words, exponents = _encode(_x_row(x_ptr, offs, mask), BLOCK_H)
+            words, exponents = _encode(_partial_row(x_ptr, steps, row, cols, mask, hidden, STEPS), BLOCK_H)
             part = _decode(words, exponents, BLOCK_H)
         else:
             part, missing = _wait_wire(own_slot + r * region_elems, row, hidden, deadline, BLOCK_H)
@@ -156,8 +152,8 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, steps, peer_ptrs_ptr, own_s
         if _owner(row, n_programs, WORLD) == RANK:
             offs = row.to(tl.int64) * hidden + cols
             if WIRE:
-                acc, failed = _sum_wire_in_rank_order(x_ptr, offs, mask, own_slot, region_elems, row, hidden,
-                                                      deadline, failed, RANK, WORLD, BLOCK_H)
+                acc, failed = _sum_wire_in_rank_order(x_ptr, steps, cols, mask, own_slot, region_elems, row,
+                                                      hidden, deadline, failed, RANK, WORLD, BLOCK_H, STEPS)
                 words, exponents = _encode(acc, BLOCK_H)
                 for r in tl.static_range(WORLD):
                     if r != RANK:
@@ -168,7 +164,8 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, steps, peer_ptrs_ptr, own_s
             else:
                 if HAS_RESIDUAL:
                     res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                acc, failed = _sum_in_rank_order(x_ptr, _sendable_bits(x_ptr, offs, mask), own_slot,
+                acc, failed = _sum_in_rank_order(x_ptr, _partial_bits(x_ptr, steps, row, cols, mask, hidden, STEPS),
+                                                 own_slot,
                                                  region_elems, offs, mask, deadline, failed, RANK, WORLD,
                                                  BLOCK_H)
                 acc = _before_residual(acc, params, hidden, eps, STEPS)
@@ -260,8 +257,8 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     last = my_rows
     if GROUPED:
         last = tl.minimum(group_rows, my_rows)
-    _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, last, cols, mask, RANK, WORLD,
-             WIRE, BLOCK_H)
+    _scatter(x_ptr, steps, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, last, cols, mask, RANK,
+             WORLD, WIRE, BLOCK_H, STEPS)
     _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
     params = _load_params(weight_ptr, steps, cols, mask, STEPS)
@@ -271,8 +268,8 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
         after = my_rows
         if GROUPED:
             after = tl.minimum(last + group_rows, my_rows)
-            _scatter(x_ptr, peer_ptrs_ptr, send_base, hidden, pid, n_programs, last, after, cols, mask,
-                     RANK, WORLD, WIRE, BLOCK_H)
+            _scatter(x_ptr, steps, peer_ptrs_ptr, send_base, hidden, pid, n_programs, last, after, cols, mask,
+                     RANK, WORLD, WIRE, BLOCK_H, STEPS)
         failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, steps, peer_ptrs_ptr, own_slot, send_base,
                                params, hidden, region_elems, eps, n_programs, pid, first, last, cols, mask,
                                deadline, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL, STEPS, WIRE)
@@ -309,7 +306,7 @@ def twoshot_allreduce_add_rmsnorm(ctx: LaunchContext, call: FusedCall, group_row
 
 def _twoshot_plan(ctx: LaunchContext, call: FusedCall, group_rows: int, wire: bool,
                   max_warps: int) -> LaunchPlan:
-    n_tokens, hidden = call.x.shape
+    n_tokens, hidden = call.n_tokens, call.hidden
     assert not wire or wire_supported(hidden), hidden
     block_h, num_warps, use_pdl = launch_config(hidden, call.x.device, max_warps=max_warps)
     programs = min(n_tokens, ctx.max_programs)

@@ -32,7 +32,7 @@ from tpfuse.kernels import epilogue as block_end
 from tpfuse.kernels import kernels_usable
 from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.epilogue import Epilogue
-from tpfuse.kernels.reference import add_rmsnorm_reference
+from tpfuse.kernels.reference import add_rmsnorm_reference, rank_part
 from tpfuse.kernels.vendor import fp8_format
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -63,7 +63,8 @@ def check_inputs(
     if dtype not in INPUT_DTYPES:
         raise TypeError(f"x has dtype {dtype}; supported: bfloat16, float16, float32")
     if len(shape) != 2:
-        raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(shape)}")
+        _check_experts(x, steps)
+        shape = torch.Size((shape[0], shape[2]))  # the rows a MoE finalize makes of x [T, K, H]
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
     device = x.device
@@ -71,65 +72,82 @@ def check_inputs(
     if residual is not None and not (isinstance(residual, torch.Tensor) and residual.dtype is dtype and
                                      residual.shape == shape and residual.is_contiguous() and
                                      residual.device == device):
-        _check_like_x("residual", residual, x, device, dtype)
+        _check_like_x("residual", residual, shape, device, dtype)
     if steps.normed and not (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.shape[0] == shape[1]
                              and (weight.dtype is dtype or weight.dtype is torch.float32)
                              and weight.is_contiguous() and weight.device == device):
         if weight is None:
             raise TypeError("weight must be a tensor (the RMSNorm gain), got None")
-        _check_row("weight", weight, x, device)
+        _check_row("weight", weight, shape, dtype, device)
     if steps is not block_end.PLAIN:
-        _check_steps(x, steps, device)
+        _check_steps(x, shape, steps, device)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if out is None and residual_out is None:
         return
     if out is not None:
-        _check_like_x("out", out, x, device, _output_dtype(x, steps),
+        _check_like_x("out", out, shape, device, _output_dtype(x, steps),
                       " (the fp8 format of this device)" if steps.fp8_output else "")
     if residual_out is not None:
-        _check_like_x("residual_out", residual_out, x, device, x.dtype)
+        _check_like_x("residual_out", residual_out, shape, device, x.dtype)
     if out is not None and residual_out is not None and _overlap(out, residual_out):
         raise ValueError("out and residual_out share memory; y and h must go to separate tensors")
 
 
-def _check_like_x(name: str, t, x: torch.Tensor, device: torch.device, dtype: torch.dtype,
+def _check_experts(x: torch.Tensor, steps: Epilogue) -> None:
+    """A 3-D x: the [T, K, H] outputs of a MoE block's experts, with ``experts`` K."""
+    if len(x.shape) != 3:
+        raise ValueError(f"x must be 2-D [tokens, hidden] (or [tokens, K, hidden] for a MoE finalize), got shape "
+                         f"{tuple(x.shape)}")
+    if steps.experts != x.shape[1]:
+        raise ValueError(f"x has shape {tuple(x.shape)}, the outputs of {x.shape[1]} experts a token: pass "
+                         f"experts={x.shape[1]} (got {steps.experts})")
+
+
+def _check_like_x(name: str, t, shape: torch.Size, device: torch.device, dtype: torch.dtype,
                   dtype_note: str = "") -> None:
-    """A [T, H] tensor beside x (the residual, an output): x's shape, ``dtype``, contiguous, x's device."""
+    """A [T, H] tensor beside x (the residual, an output): the call's row shape, ``dtype``, contiguous,
+    x's device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
     if t.dtype != dtype:
         raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype}{dtype_note}")
-    if t.shape != x.shape:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(x.shape)}")
+    if t.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but x is on {device}")
 
 
-def _check_row(name: str, t, x: torch.Tensor, device: torch.device) -> None:
+def _check_row(name: str, t, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
     """A row of H that every token shares (a gain or a bias): 1-D, x's dtype or float32, contiguous."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a tensor{'' if name == 'weight' else ' or None'}, got {type(t).__name__}")
-    if t.dim() != 1 or t.shape[0] != x.shape[1]:
-        raise ValueError(f"{name} must have shape ({x.shape[1]},), got {tuple(t.shape)}")
-    if t.dtype is not x.dtype and t.dtype is not torch.float32:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected {x.dtype} or float32")
+    if t.dim() != 1 or t.shape[0] != shape[1]:
+        raise ValueError(f"{name} must have shape ({shape[1]},), got {tuple(t.shape)}")
+    if t.dtype is not dtype and t.dtype is not torch.float32:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype} or float32")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but x is on {device}")
 
 
-def _check_steps(x: torch.Tensor, steps: Epilogue, device: torch.device) -> None:
-    """The block end's tensors and how its steps combine."""
+def _check_steps(x: torch.Tensor, shape: torch.Size, steps: Epilogue, device: torch.device) -> None:
+    """The block end's tensors and how its steps combine (``shape``: the call's rows, [T, H])."""
     for name, t in (("bias", steps.bias), ("sum_weight", steps.sum_weight), ("norm_bias", steps.norm_bias)):
         if t is not None:
-            _check_row(name, t, x, device)
+            _check_row(name, t, shape, x.dtype, device)
     if steps.norm_bias is not None and not steps.layer_norm:
         raise ValueError("norm_bias is LayerNorm's bias: pass layer_norm=True with it")
-    group, hidden = steps.scale_group, x.shape[1]
+    if steps.experts and x.dim() != 3:
+        _check_experts(x, steps)
+    if steps.topk_weights is not None:
+        _check_topk_weights(steps.topk_weights, x, device)
+    if steps.shared_expert is not None:
+        _check_like_x("shared_expert", steps.shared_expert, shape, device, x.dtype)
+    group, hidden = steps.scale_group, shape[1]
     if group:
         power_of_two = group >= 8 and group & (group - 1) == 0
         if not (group == hidden or (power_of_two and hidden % group == 0)):
@@ -145,6 +163,23 @@ def _check_steps(x: torch.Tensor, steps: Epilogue, device: torch.device) -> None
             raise ValueError("quant_scale must be a float32 tensor of one element")
         if scale.device != device:
             raise ValueError(f"quant_scale is on {scale.device} but x is on {device}")
+
+
+def _check_topk_weights(weights, x: torch.Tensor, device: torch.device) -> None:
+    """A MoE finalize's weights: [T, K] of x [T, K, H], float32 or x's dtype, contiguous."""
+    if not isinstance(weights, torch.Tensor):
+        raise TypeError(f"topk_weights must be a tensor or None, got {type(weights).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"topk_weights weight the experts' outputs: x must be [tokens, K, hidden], got shape "
+                         f"{tuple(x.shape)}")
+    if weights.shape != x.shape[:2]:
+        raise ValueError(f"topk_weights has shape {tuple(weights.shape)}; expected {tuple(x.shape[:2])}")
+    if weights.dtype is not x.dtype and weights.dtype is not torch.float32:
+        raise TypeError(f"topk_weights has dtype {weights.dtype}; expected {x.dtype} or float32")
+    if not weights.is_contiguous():
+        raise ValueError("topk_weights must be contiguous")
+    if weights.device != device:
+        raise ValueError(f"topk_weights is on {weights.device} but x is on {device}")
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -252,7 +287,7 @@ def _run_reference(call: FusedCall, group_name: str, comm) -> None:
                                        steps.flags(call.hidden), timeout)
     if call.n_tokens == 0:
         return
-    reduced = x.to(torch.float32, copy=True)
+    reduced = rank_part(x, steps).to(torch.float32, copy=True)
     if world_size > 1:
         agreement.all_reduce(reduced, group, timeout if checking else None, "a reference-path all-reduce")
     y, h, scales = add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype, steps)
@@ -283,22 +318,29 @@ def _group_name(group: dist.ProcessGroup | None) -> str:
 
 def _dynamic_fp8_outputs(x: torch.Tensor, scale_group: int) -> tuple[torch.Tensor, ...]:
     """(y8, scales, h), empty."""
-    n_tokens, hidden = x.shape
+    n_tokens, hidden = x.shape[0], x.shape[-1]
     groups = hidden // scale_group if scale_group > 0 else 0
-    return (torch.empty_like(x, dtype=fp8_format(x.device).dtype),
-            torch.empty((n_tokens, groups), dtype=torch.float32, device=x.device), torch.empty_like(x))
+    return (_empty_rows(x, fp8_format(x.device).dtype),
+            torch.empty((n_tokens, groups), dtype=torch.float32, device=x.device), _empty_rows(x))
 
 
 def _outputs(x: torch.Tensor, steps: Epilogue) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h), empty."""
-    return _empty_y(x, steps), torch.empty_like(x)
+    return _empty_y(x, steps), _empty_rows(x)
 
 
 def _empty_y(x: torch.Tensor, steps: Epilogue) -> torch.Tensor:
     """y, empty: in x's dtype, or fp8 (an fp8 block end)."""
-    if not steps.fp8_output:  # empty_like with a dtype argument costs twice the host time
+    return _empty_rows(x, _output_dtype(x, steps) if steps.fp8_output else None)
+
+
+def _empty_rows(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty [T, H] output beside x (x [T, H], or a MoE finalize's [T, K, H]), in ``dtype`` or x's."""
+    if x.dim() == 3:
+        return x.new_empty((x.shape[0], x.shape[2]), dtype=dtype)
+    if dtype is None:  # empty_like with a dtype argument costs twice the host time
         return torch.empty_like(x)
-    return torch.empty_like(x, dtype=_output_dtype(x, steps))
+    return torch.empty_like(x, dtype=dtype)
 
 
 # The ops, on the cheapest registration that keeps a fake implementation for torch.compile: a Library
@@ -397,18 +439,22 @@ def allreduce_add_rmsnorm(
     sum_weight: torch.Tensor | None = None,
     layer_norm: bool = False,
     norm_bias: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    shared_expert: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum ``x`` over the ranks of ``group``, add ``residual``, apply RMSNorm: one fused call.
 
     Computes ``h = sum_ranks(x) + residual`` and ``y = h * rsqrt(mean(h**2, -1) + eps) * weight``
     with fp32 accumulation; every rank gets bit-identical ``y`` and ``h``. The optional steps, in
-    order: ``+ bias`` right after the sum, ``rmsnorm(.) * sum_weight`` before the residual add
+    order: a MoE block's finalize before the sum (x [T, K, H] of the top-k experts' outputs, weighted
+    by ``topk_weights`` and summed, ``+ shared_expert``), ``+ bias`` right after the sum, ``rmsnorm(.) * sum_weight`` before the residual add
     (Gemma 2/3), LayerNorm instead of RMSNorm for ``y`` (``layer_norm``, ``norm_bias``), fp8 ``y``.
 
     Parameters
     ----------
-    x : Tensor [T, H]
-        This rank's partial result; bfloat16, float16 or float32, contiguous.
+    x : Tensor [T, H] or [T, K, H]
+        This rank's partial result; bfloat16, float16 or float32, contiguous. [T, K, H]: the outputs
+        of each token's K experts (a MoE block's, before its finalize), summed first on each rank.
     residual : Tensor [T, H] or None
         Added after the reduction; None means zero.
     weight : Tensor [H]
@@ -433,16 +479,24 @@ def allreduce_add_rmsnorm(
         ``y = (h - mean) * rsqrt(var + eps) * weight + norm_bias`` instead of RMSNorm.
     norm_bias : Tensor [H], optional
         LayerNorm's bias.
+    topk_weights : Tensor [T, K], optional
+        With x [T, K, H]: each expert output's weight (float32 or x's dtype), applied before the
+        experts' sum. None: x's outputs are weighted already.
+    shared_expert : Tensor [T, H], optional
+        This rank's part of a shared expert's output (or any second partial sum), added to its part of
+        x before the all-reduce; x's dtype.
 
     Returns
     -------
-    (y, h) : tuple of Tensor
+    (y, h) : tuple of Tensor [T, H]
         The normalised output and the new residual stream.
     """
-    if quant_scale is None and bias is None and sum_weight is None and not layer_norm and norm_bias is None:
+    if (quant_scale is None and bias is None and sum_weight is None and not layer_norm and norm_bias is None
+            and topk_weights is None and shared_expert is None and _experts(x) == 0):
         steps = block_end.PLAIN  # the common call: no block end to build
     else:
-        steps = Epilogue(quant_scale, bias, sum_weight, layer_norm, norm_bias)
+        steps = Epilogue(quant_scale, bias, sum_weight, layer_norm, norm_bias, experts=_experts(x),
+                         topk_weights=topk_weights, shared_expert=shared_expert)
     check_inputs(x, residual, weight, eps, steps, out, residual_out)
     group_name = _group_name(group)
     if out is None and residual_out is None:
@@ -452,7 +506,7 @@ def allreduce_add_rmsnorm(
         y, h = _outputs(x, steps)
     else:
         y = out if out is not None else _empty_y(x, steps)
-        h = residual_out if residual_out is not None else torch.empty_like(x)
+        h = residual_out if residual_out is not None else _empty_rows(x)
         if _through_the_op(x):
             torch.ops.tpfuse.allreduce_add_rmsnorm_out(x, residual, weight, eps, group_name, y, h,
                                                        **_step_kwargs(steps))
@@ -473,24 +527,27 @@ def allreduce_add_rmsnorm_dynamic_fp8(
     sum_weight: torch.Tensor | None = None,
     layer_norm: bool = False,
     norm_bias: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    shared_expert: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`allreduce_add_rmsnorm` with ``y`` in float8_e4m3fn scaled dynamically, in the same call.
 
     ``scale_group`` elements share a scale: None (or H) for one scale a token (``scales`` [T, 1]),
     128 for DeepSeek-V3 / Llama-4 style groups (``scales`` [T, H / 128]). Each scale is
     ``max(amax / 448, 1 / (448 * 512))`` over its elements and ``y8 = clamp(y / scale, -448, 448)``,
-    so ``y8 * scale`` approximates ``y`` (on gfx942, MI300: float8_e4m3fnuz and 240 for 448).
+    so ``y8 * scale`` approximates ``y`` (on gfx942, MI300: float8_e4m3fnuz and 240 for 448). x, a
+    MoE finalize's ``topk_weights`` and ``shared_expert`` as for :func:`allreduce_add_rmsnorm`.
 
     Returns
     -------
     (y8, scales, h) : tuple of Tensor
     """
-    scale_group = x.shape[-1] if scale_group is None and isinstance(x, torch.Tensor) and x.dim() == 2 \
-        else scale_group
+    scale_group = x.shape[-1] if scale_group is None and isinstance(x, torch.Tensor) else scale_group
     if isinstance(scale_group, bool) or not isinstance(scale_group, int) or scale_group <= 0:
         raise ValueError(f"scale_group must be a positive int (elements per scale), got {scale_group!r}")
     steps = Epilogue(bias=bias, sum_weight=sum_weight, layer_norm=layer_norm, norm_bias=norm_bias,
-                     scale_group=scale_group)
+                     scale_group=scale_group, experts=_experts(x), topk_weights=topk_weights,
+                     shared_expert=shared_expert)
     check_inputs(x, residual, weight, eps, steps)
     group_name = _group_name(group)
     if _through_the_op(x):
@@ -499,6 +556,11 @@ def allreduce_add_rmsnorm_dynamic_fp8(
     y, scales, h = _dynamic_fp8_outputs(x, scale_group)
     _run(FusedCall(x, residual, weight, eps, y, h, steps, scales), group_name)
     return y, scales, h
+
+
+def _experts(x) -> int:
+    """K of a MoE finalize's x [T, K, H], else 0 (the checks name any other shape)."""
+    return x.shape[1] if isinstance(x, torch.Tensor) and x.dim() == 3 else 0
 
 
 def all_reduce(x: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.epilogue import Epilogue
-from tpfuse.kernels.reference import fused_reference_float64
+from tpfuse.kernels.reference import fused_reference_float64, rank_part
 from tpfuse.kernels.vendor import E4M3FN, E4M3FNUZ, fp8_format
 
 # (atol, rtol) of y and h against float64, by the dtype y is stored in.
@@ -52,26 +52,33 @@ class Case:
     scale_group: int = 0
     # False: a plain all-reduce (``tpfuse.all_reduce``; no residual): y is h.
     normed: bool = True
+    # A MoE finalize before the sum: x [T, experts, H] (the top-k experts' outputs), weighted by the
+    # routing's top-k weights (the same on every rank), plus each rank's part of a shared expert.
+    experts: int = 0
+    topk_weighted: bool = False
+    shared_expert: bool = False
 
-    def epilogue(self, inputs: dict) -> Epilogue:
-        """The call's block end (:class:`Epilogue`) from ``inputs``."""
+    def epilogue(self, inputs: dict, rank: int = 0) -> Epilogue:
+        """Rank ``rank``'s block end (:class:`Epilogue`) from ``inputs``."""
         return Epilogue(quant_scale=inputs["quant_scale"], bias=inputs["bias"], sum_weight=inputs["sum_weight"],
                         layer_norm=self.layer_norm, norm_bias=inputs["norm_bias"], scale_group=self.scale_group,
-                        normed=self.normed)
+                        normed=self.normed, experts=self.experts, topk_weights=inputs["topk_weights"],
+                        shared_expert=None if inputs["shared"] is None else inputs["shared"][rank])
 
     def fused_call(self, inputs: dict, rank: int) -> FusedCall:
         """Rank ``rank``'s call as the kernels take it, with fresh outputs poisoned with NaN."""
         x = inputs["xs"][rank]
-        steps = self.epilogue(inputs)
-        y = torch.full(x.shape, float("nan"), dtype=x.dtype, device=x.device)
+        steps = self.epilogue(inputs, rank)
+        rows = (self.tokens, self.hidden)
+        y = torch.full(rows, float("nan"), dtype=x.dtype, device=x.device)
         if steps.fp8_output:
             fmt = fp8_format(x.device)  # poisoned with its NaN code: 0xFF (e4m3fn), 0x80 (e4m3fnuz)
             nan_code = 0x80 if fmt is E4M3FNUZ else 0xFF
-            y = torch.full(x.shape, nan_code, dtype=torch.uint8, device=x.device).view(fmt.dtype)
+            y = torch.full(rows, nan_code, dtype=torch.uint8, device=x.device).view(fmt.dtype)
         scales = None
         if self.scale_group:
             scales = torch.full((self.tokens, self.hidden // self.scale_group), float("nan"), device=x.device)
-        h = torch.full_like(x, float("nan"))
+        h = torch.full(rows, float("nan"), dtype=x.dtype, device=x.device)
         return FusedCall(x, inputs["residual"], inputs["weight"], self.eps, y if self.normed else h, h, steps, scales)
 
     def call(self, inputs: dict, rank: int, **kwargs):
@@ -83,7 +90,8 @@ class Case:
             return h, h
         args = (inputs["xs"][rank], inputs["residual"], inputs["weight"], self.eps)
         extras = dict(bias=inputs["bias"], sum_weight=inputs["sum_weight"], layer_norm=self.layer_norm,
-                      norm_bias=inputs["norm_bias"], **kwargs)
+                      norm_bias=inputs["norm_bias"], topk_weights=inputs["topk_weights"],
+                      shared_expert=None if inputs["shared"] is None else inputs["shared"][rank], **kwargs)
         if self.scale_group:
             y, scales, h = tpfuse.allreduce_add_rmsnorm_dynamic_fp8(*args, scale_group=self.scale_group,
                                                                     **extras)
@@ -91,10 +99,12 @@ class Case:
         return tpfuse.allreduce_add_rmsnorm(*args, quant_scale=inputs["quant_scale"], **extras)
 
     def inputs(self, world_size: int, device: torch.device | str = "cpu") -> dict:
-        """All ranks' inputs: ``xs`` (one per rank), ``residual``, ``weight``, ``quant_scale``."""
+        """All ranks' inputs: ``xs`` (one per rank), ``residual``, ``weight``, ``quant_scale``, the block
+        end's rows, a MoE finalize's ``topk_weights`` and ``shared`` (one per rank)."""
         g = torch.Generator().manual_seed(self.seed * 7919 + self.tokens * 131 + self.hidden)
         shape = (self.tokens, self.hidden)
-        xs = [torch.randn(shape, generator=g).to(self.dtype) for _ in range(world_size)]
+        x_shape = (self.tokens, self.experts, self.hidden) if self.experts else shape
+        xs = [torch.randn(x_shape, generator=g).to(self.dtype) for _ in range(world_size)]
         if self.cancelling and world_size >= 3:
             big = 2.0 ** (15 if self.dtype == torch.float16 else 30)
             xs[0], xs[1] = torch.full(shape, big, dtype=self.dtype), torch.full(shape, -big, dtype=self.dtype)
@@ -106,10 +116,18 @@ class Case:
         def row(wanted, centre):
             return (centre + 0.5 * torch.randn(self.hidden, generator=g)).to(self.dtype) if wanted else None
 
+        topk_weights = None
+        if self.topk_weighted:  # a softmax over the top k, as routers make them
+            topk_weights = torch.randn(self.tokens, self.experts, generator=g).softmax(-1)
+        shared = None
+        if self.shared_expert:
+            shared = [torch.randn(shape, generator=g).to(self.dtype) for _ in range(world_size)]
+
         move = (lambda t: None if t is None else t.to(device))
         return {"xs": [move(x) for x in xs], "residual": move(residual), "weight": move(weight),
                 "quant_scale": move(scale), "bias": move(row(self.bias, 0.0)),
-                "sum_weight": move(row(self.sum_norm, 1.0)), "norm_bias": move(row(self.norm_bias, 0.0))}
+                "sum_weight": move(row(self.sum_norm, 1.0)), "norm_bias": move(row(self.norm_bias, 0.0)),
+                "topk_weights": move(topk_weights), "shared": None if shared is None else [move(t) for t in shared]}
 
 
 def check_results(case: Case, world_size: int, per_rank: list[tuple[torch.Tensor, ...]],
@@ -123,7 +141,11 @@ def check_results(case: Case, world_size: int, per_rank: list[tuple[torch.Tensor
     inputs = inputs or case.inputs(world_size)
     # The fp8 format the ranks' device gives (a GPU's results come back on the CPU): from y's dtype.
     fmt = E4M3FNUZ if per_rank[0][0].dtype == torch.float8_e4m3fnuz else E4M3FN
-    y_ref, h_ref = fused_reference_float64(inputs["xs"], inputs["residual"], inputs["weight"], case.eps,
+    # A MoE finalize's part is rounded to x's dtype before the sum: the oracle takes it as the kernels
+    # make it (fp32, in their order), since an fp32 sum that rounds the other way from float64's at a
+    # tie moves a dynamic fp8 code; the sum and the block end stay float64.
+    parts = [rank_part(x, case.epilogue(inputs, rank)) for rank, x in enumerate(inputs["xs"])]
+    y_ref, h_ref = fused_reference_float64(parts, inputs["residual"], inputs["weight"], case.eps,
                                            case.epilogue(inputs), fmt)
     first = per_rank[0]
     for rank, (y, h, *scales) in enumerate(per_rank):

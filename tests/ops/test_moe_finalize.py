@@ -1,0 +1,133 @@
+"""The MoE finalize in the fused call (x [T, K, H] of the top-k experts' outputs, their weights, a shared
+expert's part) against float64 on every rank: both kernels at 2 and 3 ranks, over the workspace, the
+fp8 output, world size 1 (the local kernel), the reference path, ranks whose calls differ, bad input."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tpfuse
+from tpfuse.testing import forced_table, fused_calls
+from tpfuse.testing.cases import Case, check_results
+
+pytestmark = pytest.mark.slow
+
+CASES = [Case(3, 4096, torch.bfloat16, experts=4, topk_weighted=True, shared_expert=True, seed=1),
+         Case(3, 2880, torch.float16, residual=False, experts=8, topk_weighted=True, seed=2),
+         Case(5, 512, torch.bfloat16, experts=2, seed=3),  # weighted already: no topk_weights
+         Case(4, 1024, torch.bfloat16, shared_expert=True, seed=4),  # a shared expert alone (x [T, H])
+         Case(3, 4096, torch.bfloat16, experts=6, topk_weighted=True, shared_expert=True, scale_group=128,
+              seed=5),
+         Case(40, 4096, torch.bfloat16, experts=2, topk_weighted=True, shared_expert=True, seed=6),  # > workspace
+         Case(3, 64, torch.float32, experts=4, topk_weighted=True, shared_expert=True, seed=7)]  # reference
+KERNEL_CASES = 6  # the others' dtype takes the reference path
+
+
+def _moe_cases(rank, world_size, oneshot_max, with_communicator):
+    group, limit = dist.group.WORLD, None
+    if with_communicator:
+        comm = tpfuse.get_communicator(max_tokens=16, hidden=4096)
+        # A communicator the pool's earlier tests grew holds more rows than the 16 asked for.
+        limit = comm.max_token_num(4096, torch.bfloat16)
+    else:  # a fresh group has no communicator: the reference path (or, at world size 1, the local kernel)
+        group = dist.new_group(list(range(world_size)))
+    outputs, stats = [], []
+    with forced_table(world_size, "cpu", oneshot_max=oneshot_max, hiddens=(64, 512, 1024, 2880, 4096)):
+        for case in CASES:
+            inputs = case.inputs(world_size)
+            x = inputs["xs"][rank].clone()
+            tpfuse.reset_stats()
+            outputs.append(case.call(inputs, rank, group=group))
+            assert torch.equal(x, inputs["xs"][rank]), "the fused call changed its experts' outputs"
+            stats.append(tpfuse.stats())
+    return {"outputs": outputs, "stats": stats, "limit": limit}
+
+
+def _check(world_size, results):
+    for i, case in enumerate(CASES):
+        check_results(case, world_size, [res["outputs"][i] for res in results])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("algorithm, oneshot_max", [("oneshot", 4096), ("twoshot", 0)])
+def test_moe_finalize_matches_float64_on_every_rank(rank_pool, world_size, algorithm, oneshot_max):
+    results = rank_pool(world_size).run(_moe_cases, oneshot_max, True)
+    _check(world_size, results)
+    for res in results:
+        kernel_stats = res["stats"][:KERNEL_CASES]
+        chunks = -(-40 // res["limit"])  # the 40 rows as calls of the workspace's rows
+        assert chunks > 1 and [fused_calls(s) for s in kernel_stats] == [1, 1, 1, 1, 1, chunks], kernel_stats
+        assert all(set(s) == {f"triton.{algorithm}"} for s in kernel_stats), kernel_stats
+        assert res["stats"][KERNEL_CASES] == {"reference": 1}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_moe_finalize_without_a_communicator(rank_pool, world_size):
+    """World size 1: the local kernel finalizes; 2 ranks: the group's own all-reduce of the parts."""
+    results = rank_pool(world_size).run(_moe_cases, 4096, False)
+    _check(world_size, results)
+    expected = "triton.local" if world_size == 1 else "reference"
+    for res in results:
+        assert all(s == {expected: 1} for s in res["stats"][:KERNEL_CASES]), res["stats"]
+
+
+def _one_rank_finalizes(rank, world_size):
+    comm = tpfuse.get_communicator(max_tokens=16, hidden=4096)
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    x = torch.randn(2, 3, 64).to(torch.bfloat16) if rank == 0 else torch.randn(2, 64).to(torch.bfloat16)
+    try:
+        tpfuse.allreduce_add_rmsnorm(x, None, weight, 1e-6)
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        comm.destroy()  # unusable after a failed call: the pool's next test makes a new one
+    return None
+
+
+def test_ranks_whose_calls_differ_get_an_error(rank_pool):
+    errors = rank_pool(2).run(_one_rank_finalizes)
+    assert all(e is not None and "does not match rank" in e and "MoE finalize" in e for e in errors), errors
+
+
+def _bad_inputs(rank, world_size):
+    tpfuse.get_communicator(max_tokens=16, hidden=4096)
+    bf16 = dict(dtype=torch.bfloat16)
+    x, weight = torch.randn(2, 4, 64, **bf16), torch.ones(64, **bf16)
+    calls = {
+        "4-D x": dict(x=torch.randn(2, 4, 1, 64, **bf16)),
+        "weights of another K": dict(topk_weights=torch.ones(2, 3)),
+        "int weights": dict(topk_weights=torch.ones(2, 4, dtype=torch.int32)),
+        "weights without experts": dict(x=torch.randn(2, 64, **bf16), topk_weights=torch.ones(2, 4)),
+        "shared expert of another shape": dict(shared_expert=torch.randn(2, 32, **bf16)),
+        "fp16 shared expert": dict(shared_expert=torch.randn(2, 64, dtype=torch.float16)),
+        "residual of the experts' shape": dict(residual=torch.randn(2, 4, 64, **bf16)),
+    }
+    found = {}
+    for name, change in calls.items():
+        args = dict(x=x, residual=None, topk_weights=None, shared_expert=None) | change
+        try:
+            tpfuse.allreduce_add_rmsnorm(args["x"], args["residual"], weight, 1e-6, topk_weights=args["topk_weights"],
+                                         shared_expert=args["shared_expert"])
+        except (TypeError, ValueError) as exc:
+            found[name] = (type(exc), str(exc))
+    try:  # the op itself, as a graph calls it, with a K that is not x's
+        torch.ops.tpfuse.allreduce_add_rmsnorm(x, None, weight, 1e-6, dist.group.WORLD.group_name, experts=2)
+    except ValueError as exc:
+        found["experts not x's K"] = (ValueError, str(exc))
+    return found
+
+
+BAD = {"4-D x": (ValueError, "[tokens, K, hidden] for a MoE finalize"),
+       "weights of another K": (ValueError, "topk_weights has shape (2, 3); expected (2, 4)"),
+       "int weights": (TypeError, "topk_weights has dtype torch.int32"),
+       "weights without experts": (ValueError, "x must be [tokens, K, hidden]"),
+       "shared expert of another shape": (ValueError, "shared_expert has shape (2, 32); expected (2, 64)"),
+       "fp16 shared expert": (TypeError, "shared_expert has dtype torch.float16; expected torch.bfloat16"),
+       "residual of the experts' shape": (ValueError, "residual has shape (2, 4, 64); expected (2, 64)"),
+       "experts not x's K": (ValueError, "pass experts=4 (got 2)")}
+
+
+def test_bad_input_is_named(rank_pool):
+    for found in rank_pool(2).run(_bad_inputs):
+        for name, (error, message) in BAD.items():
+            assert name in found and found[name][0] is error and message in found[name][1], (name, found.get(name))
