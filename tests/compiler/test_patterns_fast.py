@@ -201,9 +201,10 @@ def _fuse_whole(patterns, trace=post_grad_pass_without_dynamo) -> None:
         quant = ("dynamic" if node.target == FUSED_OPS[1] else
                  "static" if steps.get("quant_scale") is not None else None)
         does = (steps.get("bias") is not None, steps.get("sum_weight") is not None, node.args[1] is not None,
-                steps.get("layer_norm", False), steps.get("norm_bias") is not None, quant)
+                steps.get("layer_norm", False), steps.get("norm_bias") is not None, quant,
+                steps.get("shared_expert") is not None)
         assert does == (pattern.bias, pattern.sum_norm, pattern.residual, pattern.layer_norm,
-                        pattern.layer_norm, pattern.quant), (pattern.__name__, steps)
+                        pattern.layer_norm, pattern.quant, pattern.branches == 2), (pattern.__name__, steps)
 
 
 # torch 2.11 (the GPU machine's image) drops the .to(bf16).float() between a norm whose weight is applied
@@ -316,3 +317,47 @@ def test_fp8_reads_the_norms_fp32_result_directly(layer_norm, quant):
     norm = "LayerNorm" if layer_norm else "RMSNorm"
     assert site.pattern == f"AllReduceAdd{norm}{'DynamicQuant' if quant == 'dynamic' else 'Quant'}", str(site)
     assert leftovers(graph) == []
+
+
+EXPERTS = 4
+
+
+class MoeBlockEnd(nn.Module):
+    """A MoE block's end: the top-k experts' outputs ``[T * K, H]`` weighted (float32 weights, as routers
+    give them) and summed over K as Hugging Face's batched / grouped experts do (``view(T, K, H).sum(1)``),
+    cast back, plus the shared expert's part as vLLM adds it before its all-reduce; then the residual
+    add and the norm. ``form`` leaves out the weights or the shared part."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.norm = HFRMSNorm(HIDDEN, 1e-5)
+
+    def forward(self, outputs, weights, shared, residual):
+        if self.form != "unweighted":
+            outputs = outputs * weights.reshape(-1).unsqueeze(-1)
+        x = outputs.view(TOKENS, EXPERTS, HIDDEN).sum(dim=1).to(torch.bfloat16)
+        if self.form != "routed only":
+            x = x + shared
+        h = residual + funcol.all_reduce(x, "sum", dist.group.WORLD)
+        return self.norm(h), h
+
+
+@pytest.mark.parametrize("form", ["weighted + shared", "unweighted", "routed only"])
+def test_a_moe_finalize_fuses_into_the_op(form):
+    """The experts' weighted sum and the shared part go into the op (x [T, K, H], topk_weights,
+    shared_expert): nothing but views before it."""
+    outputs = torch.randn(TOKENS * EXPERTS, HIDDEN).bfloat16()
+    weights = torch.randn(TOKENS, EXPERTS).softmax(-1)
+    shared, residual = torch.randn(TOKENS, HIDDEN).bfloat16(), torch.randn(TOKENS, HIDDEN).bfloat16()
+    fusion_pass = FusionPass(fusion_limit=16)
+    graph = post_grad_pass(MoeBlockEnd(form).bfloat16(), outputs, weights, shared, residual,
+                           fusion_pass=fusion_pass)
+    [[site]] = fusion_pass.reports
+    assert site.fused, str(site)
+    [op] = [n for n in graph.nodes if n.target in FUSED_OPS]
+    assert tuple(op.args[0].meta["val"].shape) == (TOKENS, EXPERTS, HIDDEN) and op.kwargs["experts"] == EXPERTS
+    assert (op.kwargs.get("topk_weights") is not None) is (form != "unweighted")
+    assert (op.kwargs.get("shared_expert") is not None) is (form != "routed only")
+    before = {n.target for n in _ancestors([op]) if n.op == "call_function"}
+    assert before <= VIEWS | {aten.unsqueeze.default}, before  # the weights' views: no copy, no sum

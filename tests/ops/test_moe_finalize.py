@@ -24,13 +24,13 @@ KERNEL_CASES = 6  # the others' dtype takes the reference path
 
 
 def _moe_cases(rank, world_size, oneshot_max, with_communicator):
-    group, limit = dist.group.WORLD, None
+    # A fresh group each time: a communicator of its own holds the 16 rows asked for (the default group's
+    # may have grown in the pool's earlier tests); without one, the reference path (or, at world size 1,
+    # the local kernel).
+    group, limit = dist.new_group(list(range(world_size))), None
     if with_communicator:
-        comm = tpfuse.get_communicator(max_tokens=16, hidden=4096)
-        # A communicator the pool's earlier tests grew holds more rows than the 16 asked for.
+        comm = tpfuse.get_communicator(group, max_tokens=16, hidden=4096)
         limit = comm.max_token_num(4096, torch.bfloat16)
-    else:  # a fresh group has no communicator: the reference path (or, at world size 1, the local kernel)
-        group = dist.new_group(list(range(world_size)))
     outputs, stats = [], []
     with forced_table(world_size, "cpu", oneshot_max=oneshot_max, hiddens=(64, 512, 1024, 2880, 4096)):
         for case in CASES:
@@ -40,6 +40,8 @@ def _moe_cases(rank, world_size, oneshot_max, with_communicator):
             outputs.append(case.call(inputs, rank, group=group))
             assert torch.equal(x, inputs["xs"][rank]), "the fused call changed its experts' outputs"
             stats.append(tpfuse.stats())
+    if with_communicator:
+        comm.destroy()
     return {"outputs": outputs, "stats": stats, "limit": limit}
 
 

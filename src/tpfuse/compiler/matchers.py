@@ -362,3 +362,77 @@ def residual_problem(residual: object, add: Node, x: torch.Tensor, hidden: int) 
                 "sum: not a residual of the same size")
     return None
 
+
+
+@dataclass(frozen=True)
+class Finalize:
+    """A MoE block's finalize before an all-reduce, which the fused op does on each rank instead:
+    ``experts`` [..., K, H] (or None: x itself), weighted by ``topk_weights`` (numel T * K, or None)
+    and summed over K, plus ``shared`` (x's shape, or None). ``nodes``: what the rewrite leaves unread."""
+
+    x: Node  # the summed part: the experts' outputs [.., K, H], or x's first term
+    experts: int
+    topk_weights: Node | None
+    shared: Node | None
+    nodes: tuple[Node, ...]
+
+
+def match_finalize(x: Node, hidden: int) -> Finalize | None:
+    """The MoE finalize that makes the all-reduced ``x``, where each node of it is read only by the next:
+    ``sum(experts * w, dim=1)`` over a ``[T, K, H]`` view (Hugging Face's batched / grouped experts, the
+    torch form of vLLM's ``moe_sum``; w may be ``[T * K, 1]`` against ``[T * K, H]`` outputs), cast to
+    x's dtype or not, and/or ``routed + shared`` (vLLM's shared experts); else None. Only x's dtype for
+    the outputs and the shared part, float32 or x's dtype for the weights."""
+    dtype = meta_val(x).dtype
+    shared, nodes, summed = None, [], x
+    if is_add(x) and len(x.users) == 1 and not x.kwargs and len(x.args) == 2:
+        a, b = x.args
+        if all(isinstance(t, Node) and isinstance(meta_val(t), torch.Tensor) and meta_val(t).dtype == dtype
+               and meta_val(t).shape == meta_val(x).shape for t in (a, b)):
+            # The routed part is the side a finalize's sum makes, if one does.
+            shared, summed = (a, b) if _experts_sum(b, dtype) is not None else (b, a)
+            nodes.append(x)
+    found = _experts_sum(summed, dtype) if len(summed.users) == 1 else None
+    if found is None:
+        return None if shared is None else Finalize(summed, 0, None, shared, tuple(nodes))
+    experts, k, weights, sum_nodes = found
+    if static_int(meta_val(experts).shape[-1]) != hidden:
+        return None
+    return Finalize(experts, k, weights, shared, tuple(nodes + sum_nodes))
+
+
+def _experts_sum(node: Node, dtype: torch.dtype):
+    """(experts, K, weights or None, nodes) when ``node`` is ``sum(view([T, K, H]) of (outputs [* w]), 1)``,
+    cast to ``dtype`` or not; else None."""
+    nodes = []
+    if is_call(node, prims.convert_element_type.default) and node.args[1] == dtype and len(node.users) <= 1:
+        nodes.append(node)
+        node = node.args[0]
+    if not (is_call(node, aten.sum.dim_IntList) and list(node.args[1]) in ([1], [-2])
+            and node.args[2:] in ((), (False,)) and not node.kwargs):
+        return None
+    val = meta_val(node.args[0])
+    if not (isinstance(val, torch.Tensor) and val.dim() == 3 and static_int(val.shape[1]) is not None
+            and (meta_val(node).dtype == dtype or nodes)):
+        return None
+    k = static_int(val.shape[1])
+    nodes.append(node)
+    inner = node.args[0]
+    while is_call(inner, *VIEWS) and len(inner.users) == 1:
+        nodes.append(inner)
+        inner = inner.args[0]
+    weights = None
+    if is_call(inner, aten.mul.Tensor) and len(inner.users) == 1:
+        a, b = inner.args[:2]
+        elements, hidden = element_count(val.shape), static_int(val.shape[-1])
+        for outputs, w in ((a, b), (b, a)):  # a weight a row of T * K: [T * K, 1] or [T, K, 1]
+            wv, ov = meta_val(w), meta_val(outputs)
+            if (isinstance(wv, torch.Tensor) and isinstance(ov, torch.Tensor) and ov.dtype == dtype
+                    and wv.dtype in (dtype, torch.float32) and wv.dim() >= 1 and wv.shape[-1] == 1
+                    and element_count(wv.shape) * hidden == elements and element_count(ov.shape) == elements):
+                nodes.append(inner)
+                inner, weights = outputs, w
+                break
+    if meta_val(inner).dtype != dtype:
+        return None
+    return inner, k, weights, nodes

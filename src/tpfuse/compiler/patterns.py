@@ -4,6 +4,7 @@ Before (what Inductor's post-grad graph holds for a tensor-parallel block end; a
 last dimension is the hidden size H, the others are tokens; every step but the all-reduce and the
 norm optional, in this order)::
 
+    x  = sum(experts * w, dim=1) (+ shared)          # a MoE finalize (matchers.match_finalize), or any x
     a  = wait_tensor(all_reduce(x, "sum", group))   # x: [..., H]
     a  = reshape(a, ...)                            # any views that keep rows of H (or none)
     a  = a * x_scale                                # scale: a number (Gemma's embedding, Granite)
@@ -18,6 +19,8 @@ After::
 
     y2, h2 = torch.ops.tpfuse.allreduce_add_rmsnorm(
         x.reshape(-1, H), residual.reshape(-1, H) or None, weight, eps, group, quant_scale=..., bias=...)
+        # a MoE finalize: experts.reshape(-1, K, H), experts=K, topk_weights=w, shared_expert=shared;
+        # a second branch's x as shared_expert
     y, h = y2.reshape(y.shape), h2.reshape(h.shape)  # the caller's shapes; views of the sum reuse h
 
 :data:`PATTERNS` holds one class per combination of steps (:func:`combinations`), longest first, each
@@ -42,6 +45,7 @@ from tpfuse.compiler.matchers import (
     ALL_REDUCE,
     VIEWS,
     WAIT,
+    Finalize,
     aten,
     bias_of,
     fp8_of,
@@ -50,6 +54,7 @@ from tpfuse.compiler.matchers import (
     is_scalar,
     match_branch,
     match_dynamic_fp8,
+    match_finalize,
     match_layernorm,
     match_rmsnorm,
     match_static_fp8,
@@ -107,6 +112,7 @@ class Match:
     norm_bias: object = None  # LayerNorm's bias
     scales: Node | None = None  # dynamic fp8: the node of the scales
     scale_group: int = 0  # dynamic fp8: elements per scale
+    finalize: Finalize | None = None  # the MoE finalize that makes x, done in the op instead
 
     @property
     def tokens(self):
@@ -169,6 +175,8 @@ class FusionPattern:
             steps.extend(views)
             return views[-1]
 
+        if not cls.scale and cls.branches == 1:  # a number times the sum, a branch: x stays as it is
+            m.finalize = match_finalize(x, hidden)
         cur = chain[-1]
         if cls.scale:
             mul = only_user(cur)
@@ -324,12 +332,12 @@ class FusionPattern:
             return args
 
         with graph.inserting_before(m.out):
-            x2 = call(aten.reshape.default, m.x, [-1, hidden])
-            if m.x_other is not None:  # one all-reduce of both branches
+            x2, finalize = _finalized_x(call, m)
+            if m.x_other is not None:  # one all-reduce of both branches: the second one's x added in the op
                 other = call(aten.reshape.default, m.x_other, [m.x_other_copies, -1, hidden])
                 if m.x_other_copies > 1:  # summing the copies is linear: before the all-reduce, not after
                     other = call(aten.sum.dim_IntList, other, [0])
-                x2 = call(aten.add.Tensor, x2, call(aten.reshape.default, other, [-1, hidden]))
+                finalize["shared_expert"] = call(aten.reshape.default, other, [-1, hidden])
             if m.x_scale is not None:  # scaling each rank's part scales the sum
                 x2 = call(aten.mul.Tensor, x2, m.x_scale)
             bias = None
@@ -338,7 +346,7 @@ class FusionPattern:
                 bias = b if bias is None else call(aten.add.Tensor, bias, b)
             r2 = call(aten.reshape.default, m.residual, [-1, hidden]) if m.residual is not None else None
             steps = {"bias": bias, "sum_weight": m.sum_weight, "layer_norm": cls.layer_norm,
-                     "norm_bias": m.norm_bias}
+                     "norm_bias": m.norm_bias, **finalize}
             if cls.quant == "dynamic":
                 op = torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default
                 fused = call(op, x2, r2, m.weight, m.eps, m.group_name, scale_group=m.scale_group, **steps)
@@ -358,6 +366,7 @@ class FusionPattern:
         m.h.replace_all_uses_with(h)
         order = {node: i for i, node in enumerate(graph.nodes)}
         gone = set(m.internal) | set(m.aliases) | {m.h, m.out} | ({m.scales} - {None})
+        gone |= set(m.finalize.nodes) if m.finalize is not None else set()
         for node in sorted(gone, key=order.__getitem__, reverse=True):
             if not node.users:
                 graph.erase_node(node)
@@ -399,6 +408,25 @@ class FusionPattern:
             y, scales = dynamic_fp8(y, inputs["scale_group"])
             return y, scales, h
         return y, h
+
+
+def _finalized_x(call, m: Match) -> tuple[Node, dict]:
+    """The op's x and its MoE finalize's keyword arguments: x as [T, H]; or a finalize's experts'
+    outputs [T, K, H], weights [T, K] and shared part [T, H]."""
+    fin, hidden = m.finalize, m.hidden
+    if fin is None:
+        return call(aten.reshape.default, m.x, [-1, hidden]), {}
+    steps = {}
+    if fin.experts:
+        x = call(aten.reshape.default, fin.x, [-1, fin.experts, hidden])
+        steps["experts"] = fin.experts
+        if fin.topk_weights is not None:
+            steps["topk_weights"] = call(aten.reshape.default, fin.topk_weights, [-1, fin.experts])
+    else:
+        x = call(aten.reshape.default, fin.x, [-1, hidden])
+    if fin.shared is not None:
+        steps["shared_expert"] = call(aten.reshape.default, fin.shared, [-1, hidden])
+    return x, steps
 
 
 def graph_caller(graph: Graph, like: Node):

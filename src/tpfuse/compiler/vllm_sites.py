@@ -37,7 +37,7 @@ import torch
 from torch.fx import Graph, Node
 
 from tpfuse.compiler.matchers import (
-    converts_to, is_add, is_call, match_rmsnorm, meta_val, only_user, other_arg, prims, residual_problem,
+    converts_to, is_add, is_call, match_finalize, match_rmsnorm, meta_val, only_user, other_arg, prims, residual_problem,
 )
 from tpfuse.compiler.patterns import PATTERNS, FusionPattern, Match, site_problem
 from tpfuse.compiler.sizes import describe_shape, static_int
@@ -139,13 +139,17 @@ def find_site(all_reduce: Node, group_name: str) -> tuple[Match | None, str | No
     add_norms = [u for u in users if op_name(u) == ADD_NORM and all_reduce in u.args[:(1 if norms else 2)]]
     if add_norms or norms:
         match, reason = _ir_site(all_reduce, group_name, hidden, add_norms[0] if add_norms else norms[0])
-        return (_with_quant(match), None) if match is not None else (None, reason)
-    quantised = [u for u in users if functionalized(u) in (NORM_QUANT, ADD_NORM_QUANT) and u.kwargs["input"] is all_reduce]
-    if quantised:
-        return _quantised_site(all_reduce, group_name, hidden, quantised[0])
-    match = _native_site(all_reduce, group_name, hidden)
+        match = _with_quant(match) if match is not None else None
+    elif quantised := [u for u in users if functionalized(u) in (NORM_QUANT, ADD_NORM_QUANT)
+                       and u.kwargs["input"] is all_reduce]:
+        match, reason = _quantised_site(all_reduce, group_name, hidden, quantised[0])
+    else:
+        match, reason = _native_site(all_reduce, group_name, hidden), None
     if match is not None:
+        match.finalize = match_finalize(match.x, hidden)  # routed + shared experts: added in the op
         return match, None
+    if reason is not None:
+        return None, reason
     targets = ", ".join(op_name(u) or str(getattr(u.target, "__name__", u.target)) for u in users)
     return None, f"no vLLM RMSNorm follows the all-reduce; its result goes to {targets or 'nothing'}"
 
