@@ -160,6 +160,11 @@ class Site(nn.Module):
 
     def forward(self, x, residual):
         partial = self.proj(x)
+        if self.kind == "moe":  # 2 experts a token (the same projection, scaled apart), weighted, + a shared part
+            outputs = torch.stack([partial, 0.5 * partial], dim=1).reshape(-1, partial.shape[-1])
+            weights = torch.linspace(0.2, 0.8, 2 * x.shape[0]).reshape(-1, 2)
+            routed = (outputs * weights.reshape(-1).unsqueeze(-1)).view(x.shape[0], 2, -1).sum(dim=1)
+            partial = routed.to(x.dtype) + torch.tanh(partial)
         op = "max" if self.kind == "max_all_reduce" else "sum"
         a = funcol.all_reduce(partial, op, dist.group.WORLD)
         if self.kind == "no_residual":
@@ -212,6 +217,7 @@ def _site(rank, world_size, kind, dtype):
     ("no_residual", torch.bfloat16, 1, "fused 1 of 1"),
     ("fp8", torch.bfloat16, 1, "fused 1 of 1"),
     ("plain", torch.float16, 1, "fused 1 of 1"),
+    ("moe", torch.bfloat16, 1, "fused 1 of 1"),  # the MoE finalize in the op (test_patterns_fast.py)
     # The reasons of sites left alone are the fast lane's (test_patterns_fast.py): these in the extended lane.
     pytest.param("op_between", torch.bfloat16, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x "
                                       "no norm follows the all-reduce as a pattern has it (RMSNorm or "
