@@ -39,14 +39,24 @@ def _check_model(model, make_input, shapes):
         ids = make_input(batch, seq)
         with torch.no_grad():
             expected = model(ids)
+            compiled(ids)  # compiles outside the profile: tracing dispatches the all-reduces it replaces
             tpfuse.reset_stats()
-            got = compiled(ids)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                got = compiled(ids)
         expected, got = (getattr(t, "logits", t).float() for t in (expected, got))
         assert got.shape == expected.shape
         difference = ((got - expected).abs().max() / expected.abs().max()).item()
-        runs.append(((batch, seq), difference, fused_calls(backends=("triton",))))
+        runs.append(((batch, seq), difference, fused_calls(backends=("triton",)), _group_all_reduces(profile)))
     reports = compiled.tpfuse_backend.reports
     return runs, dict(compiled.tpfuse_backend.compiles), [[str(s) for s in graph] for graph in reports]
+
+
+def _group_all_reduces(profile) -> list[str]:
+    """The all-reduces a profiled forward ran outside tpfuse (c10d's, functional or not, and the process
+    group's own), by event name."""
+    return sorted({e.name for e in profile.events()
+                   if "all_reduce" in e.name.lower().replace("allreduce", "all_reduce")
+                   and not e.name.startswith("tpfuse")})
 
 
 def _token_ids(batch, seq, vocab=256):
@@ -68,8 +78,11 @@ def _assert_fused(results, sites, calls_per_run=None, patterns=None, tolerance=2
             found = [line.split("fused (")[1].rstrip(")") for line in reports[0] if ": fused (" in line]
             assert len(found) == len(patterns) and all(
                 f in (p if isinstance(p, tuple) else (p,)) for f, p in zip(found, patterns)), reports
-        for (batch, seq), diff, calls in runs:
-            assert calls == ((calls_per_run or sites) if batch * seq <= LIMIT else 0), (batch, seq, calls)
+        for (batch, seq), diff, calls, group_all_reduces in runs:
+            fused_range = batch * seq <= LIMIT
+            assert calls == ((calls_per_run or sites) if fused_range else 0), (batch, seq, calls)
+            # Below the limit the profiled forward runs no all-reduce but tpfuse's; above, the group's.
+            assert (group_all_reduces == []) is fused_range, (batch, seq, group_all_reduces)
             assert diff < tolerance, (batch, seq, diff)  # of the largest logit; bf16 models
 
 
