@@ -12,15 +12,18 @@ from tpfuse._stats import reset_stats, stats
 from tpfuse.comm import Communicator, check_errors, destroy_all, get_communicator
 from tpfuse.compiler import compile, compile_config, explain
 from tpfuse.engines import vllm_fusion_pass
-from tpfuse.ops import all_reduce, allreduce_add_rmsnorm, allreduce_add_rmsnorm_dynamic_fp8
+from tpfuse.ops import (QuantizedOutputs, all_reduce, allreduce_add_rmsnorm, allreduce_add_rmsnorm_dynamic_fp8,
+                        allreduce_add_rmsnorm_quant)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Communicator",
+    "QuantizedOutputs",
     "all_reduce",
     "allreduce_add_rmsnorm",
     "allreduce_add_rmsnorm_dynamic_fp8",
+    "allreduce_add_rmsnorm_quant",
     "check_errors",
     "compile",
     "compile_config",

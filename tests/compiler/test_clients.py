@@ -181,6 +181,8 @@ FAMILIES = {
     "Gemma2", "Phi", "Cohere", "Llama4", "Starcoder2", "Granite", "DeepseekV3")])
 def test_hugging_face_families_with_other_block_ends(rank_pool, tmp_path, arch):
     sites, calls, patterns, tolerance = FAMILIES[arch]
+    if arch in FAMILIES_EMBEDDING_FROM_5_24 and _transformers_at_least(5, 24):
+        sites, calls, patterns = sites + 1, calls + 1, [FAMILIES_EMBEDDING_FROM_5_24[arch]] + patterns
     pool = rank_pool(2)
     pool.run(_save_hf_model, arch, str(tmp_path))
     _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900), sites, calls, patterns, tolerance)
@@ -202,6 +204,10 @@ MORE_FAMILIES = {
 # layer's norm (as Llama's, above), which fuses as well.
 EMBEDDING_SITE_FROM_5_24 = {"Mixtral", "Qwen3Moe", "Qwen2Moe", "Qwen2", "Olmo2", "Olmo3", "Exaone4", "Glm", "Glm4",
                             "Phi3", "Apertus"}
+# And of the families above, by the pattern that fuses it (seen 2026-12-04, 2 CPU ranks, every site fused;
+# Gemma 2, Cohere and StarCoder 2 split it before).
+FAMILIES_EMBEDDING_FROM_5_24 = {"Llama4": "AllReduceRMSNorm", "DeepseekV3": "AllReduceRMSNorm",
+                                "Phi": "AllReduceLayerNorm", "Granite": "AllReduceScaledRMSNorm"}
 
 
 # From transformers 5.24 (seen 2026-12-03, 2 CPU ranks), all-reduces no block end takes in: Qwen2-MoE's

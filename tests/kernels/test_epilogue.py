@@ -92,7 +92,8 @@ def test_every_step_compiled_on_one_gpu(algorithm):
 
 def test_the_kernels_take_the_block_end_as_two_values():
     """A step is declared once (``Epilogue``): no kernel names one in its signature, they take ``steps``
-    and ``STEPS``; ``steps`` holds every tensor step of ``Epilogue`` then the dynamic scales."""
+    and ``STEPS``; ``steps`` holds every tensor step of ``Epilogue`` then the scales and the norm's copy
+    a call writes."""
     import dataclasses
 
     from tpfuse.kernels.epilogue import Epilogue, StepTensors, Switches
@@ -102,12 +103,12 @@ def test_the_kernels_take_the_block_end_as_two_values():
 
     fields = dataclasses.fields(Epilogue)
     tensor_steps = [f.name for f in fields if "Tensor" in str(f.type)]
-    assert list(StepTensors._fields) == tensor_steps + ["scales"]
+    assert list(StepTensors._fields) == tensor_steps + ["scales", "normed"]
     for kernel in (_local_add_rmsnorm_kernel, _oneshot_allreduce_add_rmsnorm_kernel,
                    _twoshot_allreduce_add_rmsnorm_kernel):
         names = kernel.arg_names
         assert "steps" in names and "STEPS" in names, kernel
-        named = [n for n in names if n.removesuffix("_ptr") in {f.name for f in fields} | {"scale", "scales"}
+        named = [n for n in names if n.removesuffix("_ptr") in {f.name for f in fields} | {"scale", "scales", "normed"}
                  or n in Switches._fields]
         assert not named, (kernel, named)
 
@@ -115,8 +116,9 @@ def test_the_kernels_take_the_block_end_as_two_values():
 @pytest.mark.parametrize("case", [Case(3, 512, seed=21), Case(2, 640, residual=False, seed=22),
                                   Case(4, 512, quant_scale=0.05, bias=True, layer_norm=True, norm_bias=True,
                                        seed=23),
-                                  Case(3, 640, scale_group=128, sum_norm=True, seed=24)],
-                         ids=["plain", "no-residual", "static-fp8-layernorm", "dynamic-fp8-gemma"])
+                                  Case(3, 640, scale_group=128, sum_norm=True, seed=24),
+                                  Case(3, 512, fp4="nvfp4", normed_copy=True, seed=25)],
+                         ids=["plain", "no-residual", "static-fp8-layernorm", "dynamic-fp8-gemma", "nvfp4-copy"])
 def test_a_calls_addresses_are_its_kernel_tensors_pointers(case):
     """A kept launch passes ``kernel_addresses`` to the compiled launcher where the JIT took
     ``kernel_tensors``: the same pointers in the same order and nesting (the steps' as one tuple, last),
@@ -134,5 +136,8 @@ def test_a_calls_addresses_are_its_kernel_tensors_pointers(case):
     assert call.kernel_addresses() == [*[t.data_ptr() for t in tensors], tuple(t.data_ptr() for t in steps)]
     assert _oneshot_allreduce_add_rmsnorm_kernel.arg_names.index("steps") == len(tensors)
     for name in StepTensors._fields:
-        given = getattr(call.epilogue, name, None) if name != "scales" else call.scales
+        given = getattr(call, name) if name in ("scales", "normed") else getattr(call.epilogue, name)
+        if name == "scales" and given is not None and given.element_size() == 1:  # e4m3 / e8m0: as bytes
+            assert getattr(steps, name).data_ptr() == given.data_ptr() and steps.scales.dtype == torch.uint8
+            continue
         assert getattr(steps, name) is (given if given is not None else call.weight), name

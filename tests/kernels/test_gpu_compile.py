@@ -15,7 +15,7 @@ import pytest
 POINTERS = {"x_ptr": "*{dt}", "residual_ptr": "*{dt}", "weight_ptr": "*{dt}", "y_ptr": "*{yt}",
             "h_ptr": "*{dt}", "peer_ptrs_ptr": "*i64", "state_ptr": "*i32"}
 #: The block end's pointers (the kernels' ``steps``, ``epilogue.StepTensors``): fp32 scales, the rest x's.
-STEP_POINTERS = {"quant_scale": "*fp32", "scales": "*fp32", "topk_weights": "*fp32"}
+STEP_POINTERS = {"quant_scale": "*fp32", "scales": "*fp32", "topk_weights": "*fp32", "global_scale": "*fp32"}
 SCALARS = {"n_tokens": "i32", "hidden": "i32", "region_elems": "i32", "eps": "fp32", "wait_limit": "i64",
            "pushers": "i32", "group_rows": "i32"}
 ONESHOT = dict(CLEAR_FIRST=True, RELAXED_ARRIVE=True, SPLIT_PUSH=False, PUSH_CHUNKS=1, X_FIRST=False)
@@ -24,6 +24,23 @@ STATIC_FP8 = dict(QUANT=1)
 LAYER_NORM = dict(HAS_BIAS=True, LAYER_NORM=True, HAS_NORM_BIAS=True)
 GEMMA_PER_GROUP = dict(SUM_NORM=True, QUANT=2, SCALE_GROUP=128)
 MOE = dict(EXPERTS=8, TOPK_WEIGHTS=True, SHARED_EXPERT=True)
+# The quantised outputs the next GEMM takes (epilogue._store_fp8 / _store_fp4): UE8M0 exponents packed in
+# int32 words with the norm's copy, column-major float32 scales, NVFP4 (e4m3 scales, swizzled) and MXFP4
+# (e8m0 scales). STEP_TYPES: the scales' pointer type where it is not float32.
+PACKED_UE8M0 = dict(QUANT=2, SCALE_GROUP=128, POW2_SCALES=True, SCALE_LAYOUT=2, NORMED_COPY=True,
+                    STEP_TYPES={"scales": "*i32"})
+COLUMNS = dict(QUANT=2, SCALE_GROUP=128, SCALE_LAYOUT=1)
+NVFP4 = dict(QUANT=3, SCALE_GROUP=16, NORMED_COPY=True, STEP_TYPES={"scales": "*u8"})
+MXFP4 = dict(QUANT=4, SCALE_GROUP=32, STEP_TYPES={"scales": "*u8"})
+QUANTISED_OUTPUTS = [
+    ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, **PACKED_UE8M0)),
+    ("oneshot", 4, "bf16", dict(ONESHOT, BLOCK_H=4096, BLOCK_C=4096, **COLUMNS)),
+    ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, **NVFP4)),
+    ("oneshot", 2, "fp16", dict(ONESHOT, BLOCK_H=4096, BLOCK_C=4096, **MXFP4)),
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False, **PACKED_UE8M0)),
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=True, **NVFP4)),
+    ("twoshot", 4, "bf16", dict(BLOCK_H=4096, GROUPED=True, WIRE=False, **MXFP4)),
+]
 # (kernel, world, dtype, constexprs)
 SHAPES = [
     ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192)),
@@ -57,9 +74,10 @@ SHAPES = [
     ("oneshot", 4, "bf16", dict(ONESHOT, BLOCK_H=8192, SPLIT_PUSH=True, PUSH_CHUNKS=4, BLOCK_C=2048, **MOE)),
     ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False, **MOE)),
     ("twoshot", 2, "bf16", dict(BLOCK_H=4096, GROUPED=True, WIRE=True, **MOE)),
-]
+] + QUANTISED_OUTPUTS
 PLAIN = dict(HAS_BIAS=False, SUM_NORM=False, LAYER_NORM=False, HAS_NORM_BIAS=False, QUANT=0, SCALE_GROUP=0,
-             NORMED=True, EXPERTS=0, TOPK_WEIGHTS=False, SHARED_EXPERT=False)
+             NORMED=True, EXPERTS=0, TOPK_WEIGHTS=False, SHARED_EXPERT=False, NORMED_COPY=False,
+             POW2_SCALES=False, SCALE_LAYOUT=0)
 
 
 def compile_shape(name: str, world: int, dtype: str, constexprs: dict, target, use_pdl: bool, max_warps: int):
@@ -75,6 +93,7 @@ def compile_shape(name: str, world: int, dtype: str, constexprs: dict, target, u
     kernel = {"oneshot": _oneshot_allreduce_add_rmsnorm_kernel, "twoshot": _twoshot_allreduce_add_rmsnorm_kernel}[name]
     constexprs = dict(constexprs)
     asked = constexprs.pop("num_warps", 16)
+    step_types = {**STEP_POINTERS, **constexprs.pop("STEP_TYPES", {})}
     from tpfuse.kernels.epilogue import StepTensors, Switches
 
     switches = dict(PLAIN)
@@ -84,7 +103,7 @@ def compile_shape(name: str, world: int, dtype: str, constexprs: dict, target, u
                  DEADLINE_GIVEN=False, DESC_FLAGS=5, **constexprs)
     warps = max(1, min(asked, max_warps, flags["BLOCK_H"] // (8 * target.warp_size)))
     quant = flags["STEPS"].QUANT > 0
-    steps = StepTensors(*[STEP_POINTERS.get(name, "*{dt}").format(dt=dtype) for name in StepTensors._fields])
+    steps = StepTensors(*[step_types.get(name, "*{dt}").format(dt=dtype) for name in StepTensors._fields])
     signature = {
         arg: "constexpr" if arg in flags
         else POINTERS[arg].format(dt=dtype, yt="u8" if quant else dtype) if arg in POINTERS
@@ -118,6 +137,15 @@ def _compile_all() -> None:
               f"{narrow} narrow of {allowed} allowed, {ptx.count('st.global')} stores")
 
 
+def _compile_quantised_outputs_for_sm100() -> None:
+    """The quantised outputs' shapes for Blackwell (sm_100), whose GEMMs take NVFP4 and packed UE8M0."""
+    from triton.backends.compiler import GPUTarget
+
+    for name, world, dtype, constexprs in QUANTISED_OUTPUTS:
+        compiled, _ = compile_shape(name, world, dtype, constexprs, GPUTarget("cuda", 100, 32), True, 32)
+        print(f"sm_100 {name} W={world} {dtype} {constexprs}: {len(compiled.asm['cubin'])} bytes")
+
+
 def _compile_floor() -> None:
     """The benchmark's bound kernels (tpfuse.bench.floor), which CI never runs compiled either."""
     import triton
@@ -144,7 +172,8 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert done.stdout.count("bytes") == len(SHAPES), done.stdout
+    assert done.stdout.count("bytes") == len(SHAPES) + len(QUANTISED_OUTPUTS), done.stdout
+    assert done.stdout.count("sm_100 ") == len(QUANTISED_OUTPUTS), done.stdout
     assert done.stdout.count("floor kernel") == 2, done.stdout
     lines = [line for line in done.stdout.splitlines() if line.endswith("stores")]
     # Rows of 16-bit words move 16 bytes an access: pushes to peers, polls, clears, loads and stores.
@@ -160,4 +189,5 @@ def test_kernels_compile_for_sm90():
 
 if __name__ == "__main__":
     _compile_all()
+    _compile_quantised_outputs_for_sm100()
     _compile_floor()

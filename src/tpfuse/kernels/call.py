@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from tpfuse.kernels import formats
 from tpfuse.kernels.epilogue import PLAIN, Epilogue, StepTensors
 
 _STEPS = len(StepTensors._fields)
@@ -36,8 +37,11 @@ class FusedCall(NamedTuple):
         Where the normed output (fp8 with an fp8 block end) and the new residual stream go.
     epilogue : Epilogue
         The block end's optional steps (bias, post-norm, LayerNorm, static or dynamic fp8).
-    scales : Tensor [T, H // scale_group] float32 or None
-        Where a dynamic fp8 call writes its scales.
+    scales : Tensor or None
+        Where a dynamic fp8 or fp4 call writes its scales, in their format and layout
+        (``kernels.formats.empty_scales``).
+    normed : Tensor [T, H] or None
+        Where a quantising call with ``epilogue.normed_copy`` writes the norm's output in x's dtype.
     """
 
     x: torch.Tensor
@@ -48,6 +52,7 @@ class FusedCall(NamedTuple):
     h: torch.Tensor
     epilogue: Epilogue = PLAIN
     scales: torch.Tensor | None = None
+    normed: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -57,35 +62,42 @@ class FusedCall(NamedTuple):
     def hidden(self) -> int:
         return self.x.shape[-1]
 
-
     def outputs(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the call writes."""
-        return (self.y, self.h) if self.scales is None else (self.y, self.h, self.scales)
+        return tuple(t for t in (self.y, self.h, self.scales, self.normed) if t is not None)
 
     def rows(self, start: int, stop: int) -> FusedCall:
-        """The same call restricted to rows ``start:stop`` (rows are independent)."""
+        """The same call restricted to rows ``start:stop`` (rows are independent). Scales whose layout
+        does not slice by rows (``formats.scales_by_rows``) go to a new tensor of the part's own layout:
+        ``formats.place_scale_rows`` puts them back."""
         part = slice(start, stop)
+        scales = self.scales
+        if scales is not None:
+            scales = (scales[part] if formats.scales_by_rows(self.epilogue)
+                      else formats.empty_scales(self.epilogue, stop - start, self.hidden, scales.device))
         return self._replace(x=self.x[part], residual=None if self.residual is None else self.residual[part],
-                             y=self.y[part], h=self.h[part], epilogue=self.epilogue.rows(part),
-                             scales=None if self.scales is None else self.scales[part])
+                             y=self.y[part], h=self.h[part], epilogue=self.epilogue.rows(part), scales=scales,
+                             normed=None if self.normed is None else self.normed[part])
 
     def kernel_tensors(self) -> tuple:
         """The call's tensors as every kernel of ours takes them, in order: x, residual, weight, y, h, then
         the block end's (``epilogue.StepTensors``: the kernels' ``steps``). An absent one is passed as
         ``weight``, a stand-in the kernel never reads; an fp8 ``y`` as bytes (the kernels store fp8 codes)."""
-        x, residual, weight, _, y, h, steps, scales = self
+        x, residual, weight, _, y, h, steps, scales, normed = self
         if residual is None:
             residual = x
         if steps is PLAIN:  # the common call: every step's place taken by the stand-in
             return x, residual, weight, y, h, StepTensors._make((weight,) * _STEPS)
+        if scales is not None and scales.element_size() == 1:  # e4m3 / e8m0 scales: stored as bytes
+            scales = scales.view(torch.uint8)
         return (x, residual, weight, y.view(torch.uint8) if steps.fp8_output else y, h,
-                steps.step_tensors(weight, scales))
+                steps.step_tensors(weight, scales, normed))
 
     def kernel_addresses(self) -> list:
         """:meth:`kernel_tensors`' device addresses, in the same order and nesting (the steps' as one
         tuple, as the kernels' ``steps``): what a kept launch passes. Each tensor's read once, the
         stand-in's reused."""
-        x, residual, weight, _, y, h, steps, _ = self
+        x, residual, weight, _, y, h, steps, _, _ = self
         if steps is not PLAIN:
             *tensors, step_tensors = self.kernel_tensors()
             return [*[t.data_ptr() for t in tensors], tuple(t.data_ptr() for t in step_tensors)]

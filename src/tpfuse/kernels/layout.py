@@ -43,11 +43,20 @@ FLAG_FP8_WIRE = 2048
 FLAG_NO_NORM = 4096
 #: A MoE finalize before the sum (``Epilogue.topk_weights`` / ``shared_expert``, x [T, K, H]).
 FLAG_MOE_FINALIZE = 8192
+#: The quantised outputs the next GEMM takes (``Epilogue.normed_copy``, ``ue8m0_scales``,
+#: ``scale_layout``, ``fp4``). Bits from 15 on travel in the descriptor's last word, above the
+#: region's top bit (``describe_call``).
+FLAG_NORMED_COPY = 1 << 14
+FLAG_UE8M0, FLAG_SCALES_COLUMNS, FLAG_SCALES_PACKED = 1 << 15, 1 << 16, 1 << 17
+FLAG_NVFP4, FLAG_MXFP4 = 1 << 18, 1 << 19
 _FLAG_WORDS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYER_NORM, "LayerNorm"),
                (FLAG_NORM_BIAS, "norm bias"), (FLAG_QUANT, "fp8 output"),
                (FLAG_DYNAMIC_TOKEN, "fp8 output scaled per token"),
                (FLAG_DYNAMIC_GROUP, "fp8 output scaled per group"), (FLAG_FP8_WIRE, "fp8 wire"),
-               (FLAG_NO_NORM, "no norm"), (FLAG_MOE_FINALIZE, "MoE finalize"))
+               (FLAG_NO_NORM, "no norm"), (FLAG_MOE_FINALIZE, "MoE finalize"),
+               (FLAG_NORMED_COPY, "a copy of the norm's output"), (FLAG_UE8M0, "UE8M0 scales"),
+               (FLAG_SCALES_COLUMNS, "column-major scales"), (FLAG_SCALES_PACKED, "packed UE8M0 scales"),
+               (FLAG_NVFP4, "NVFP4 output"), (FLAG_MXFP4, "MXFP4 output"))
 
 
 #: Words after the descriptors that nothing writes: on AMD a wait reads a row's whole block of
@@ -66,10 +75,12 @@ def describe_call(n_tokens: int, hidden: int, flags: int, call: int, region_elem
     """The descriptor words of a call, as the kernels write them (``protocol._describe_call``).
 
     Tokens (< 2**30) and the region (< 2**31 words) span two and three 15-bit words; the call's number
-    is kept modulo 2**15 (a peer is never more than one call apart).
+    is kept modulo 2**15 (a peer is never more than one call apart). The flags' low 15 bits have a word
+    of their own, the rest share the last word with the region's top bit.
     """
-    return [n_tokens & 0x7FFF, (n_tokens >> 15) & 0x7FFF, hidden & 0x7FFF, flags, call & 0x7FFF,
-            region_elems & 0x7FFF, (region_elems >> 15) & 0x7FFF, (region_elems >> 30) & 0x7FFF]
+    return [n_tokens & 0x7FFF, (n_tokens >> 15) & 0x7FFF, hidden & 0x7FFF, flags & 0x7FFF, call & 0x7FFF,
+            region_elems & 0x7FFF, (region_elems >> 15) & 0x7FFF,
+            ((region_elems >> 30) & 1 | (flags >> 15) << 1) & 0x7FFF]
 
 
 def explain_descriptor(words: list[int], other: list[int] | None = None) -> str:
@@ -79,9 +90,9 @@ def explain_descriptor(words: list[int], other: list[int] | None = None) -> str:
         return w[0] | w[1] << 15
 
     def region(w):
-        return w[5] | w[6] << 15 | w[7] << 30
+        return w[5] | w[6] << 15 | (w[7] & 1) << 30
 
-    flags = words[3]
+    flags = words[3] | (words[7] >> 1) << 15
     dtype = "bfloat16" if flags & FLAG_BF16 else "float16" if flags & FLAG_FP16 else "?"
     parts = [f"{tokens(words)} x {words[2]} {dtype} {'twoshot' if flags & FLAG_TWOSHOT else 'oneshot'}",
              "residual" if flags & FLAG_RESIDUAL else "no residual"]

@@ -25,7 +25,7 @@ def _local_add_rmsnorm_kernel(
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     offs = row.to(tl.int64) * hidden + cols
-    params = _load_params(weight_ptr, steps, cols, mask, STEPS)
+    params = _load_params(weight_ptr, steps, cols, mask, tl.num_programs(0), STEPS)  # a program a row
     h = _partial_row(x_ptr, steps, row, cols, mask, hidden, STEPS)
     h = _before_residual(h, params, hidden, eps, STEPS)
     if HAS_RESIDUAL:

@@ -131,7 +131,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     if CLEAR_FIRST:  # the previous slot is ours alone until our next call: clear it while data flies
         _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
-    params = _load_params(weight_ptr, steps, cols, mask, STEPS)
+    params = _load_params(weight_ptr, steps, cols, mask, n_tokens, STEPS)
     deadline = _start_clock(wait_limit, DEADLINE_GIVEN)
     deadline, failed = _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK, WORLD)
     row = first_row

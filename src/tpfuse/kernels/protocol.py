@@ -197,7 +197,7 @@ def _describe_call(n_tokens, hidden, call, region_elems, FLAGS: tl.constexpr):
     i = tl.arange(0, _DESC_WORDS)
     words = tl.where(i == 0, n_tokens, tl.where(i == 1, n_tokens >> 15, tl.where(i == 2, hidden, tl.where(
         i == 3, FLAGS, tl.where(i == 4, call, tl.where(i == 5, region_elems, tl.where(
-            i == 6, region_elems >> 15, region_elems >> 30)))))))
+            i == 6, region_elems >> 15, ((region_elems >> 30) & 1) | (FLAGS >> 15) << 1)))))))
     return (words & 0x7FFF).to(tl.int16)
 
 

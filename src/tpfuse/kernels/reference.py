@@ -1,17 +1,20 @@
 """Pure-torch reference of the fused op: the reference backend's math and the kernels' oracle.
 
 The steps are those of ``kernels/epilogue.py``: a MoE finalize, sum, + bias, post-norm, + residual,
-RMSNorm or LayerNorm, fp8 with a static or dynamic scale.
+RMSNorm or LayerNorm, fp8 with a static or dynamic scale, NVFP4 or MXFP4 (``kernels.formats``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from tpfuse.kernels.epilogue import PLAIN, Epilogue
+from tpfuse.kernels import formats
+from tpfuse.kernels.epilogue import FP4_MXFP4, FP4_NONE, FP4_NVFP4, PLAIN, SCALES_ROWS, Epilogue
 from tpfuse.kernels.vendor import Fp8Format, fp8_format
 
-__all__ = ["add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64", "rank_part"]
+__all__ = ["add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64", "rank_part", "unquantised"]
 
 
 def rank_part(x: torch.Tensor, epilogue: Epilogue = PLAIN, accumulate: torch.dtype = torch.float32) -> torch.Tensor:
@@ -60,15 +63,19 @@ def _epilogue(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     return y, h
 
 
-def dynamic_fp8(y: torch.Tensor, group: int, fmt: Fp8Format | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def dynamic_fp8(y: torch.Tensor, group: int, fmt: Fp8Format | None = None,
+                pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``y`` [..., H] as fp8 of ``fmt`` (default: ``y``'s device's, ``vendor.fp8_format``) with one scale
     per ``group`` elements of a row (a group of H: one scale a token), and the scales [..., H // group]
     (float32): ``scale = max(amax / fp8_max, fmt.min_dynamic_scale)``, ``q = clamp(y / scale, -fp8_max,
-    fp8_max)`` with fp8_max 448 (e4m3fn) or 240 (e4m3fnuz). Also the form the compiler's dynamic fp8
-    pattern finds in a model (``compiler.matchers``)."""
+    fp8_max)`` with fp8_max 448 (e4m3fn) or 240 (e4m3fnuz); ``pow2``: each scale rounded up to a power of
+    two (UE8M0). Also the form the compiler's dynamic fp8 pattern finds in a model
+    (``compiler.matchers``)."""
     fmt = fmt or fp8_format(y.device)
     groups = y.float().unflatten(-1, (-1, group))
     scales = (groups.abs().amax(-1, keepdim=True) / fmt.max).clamp(min=fmt.min_dynamic_scale)
+    if pow2:
+        scales = formats.pow2_at_least(scales)
     q = (groups / scales).clamp(-fmt.max, fmt.max).to(fmt.dtype)
     return q.flatten(-2), scales.squeeze(-1)
 
@@ -92,14 +99,25 @@ def add_rmsnorm_reference(
     out_dtype = out_dtype or reduced.dtype
     y, h = _epilogue(reduced.float(), residual, weight, eps, epilogue)
     scales = None
-    if epilogue.quant_scale is not None:
+    if epilogue.fp4 == FP4_NVFP4:
+        y, scales = formats.nvfp4(y, epilogue.global_scale)
+    elif epilogue.fp4 == FP4_MXFP4:
+        y, scales = formats.mxfp4(y)
+    elif epilogue.quant_scale is not None:
         fmt = fp8_format(reduced.device)
         y = (y / epilogue.quant_scale.float()).clamp(-fmt.max, fmt.max).to(fmt.dtype)
     elif epilogue.scale_group:
-        y, scales = dynamic_fp8(y, epilogue.scale_group)
+        y, scales = dynamic_fp8(y, epilogue.scale_group, pow2=epilogue.pow2_scales)
+        scales = formats.in_layout(epilogue, scales)
     else:
         y = y.to(out_dtype)
     return y, h.to(out_dtype), scales
+
+
+def unquantised(epilogue: Epilogue) -> Epilogue:
+    """``epilogue`` with y left in x's dtype: what a quantising call's norm copy holds."""
+    return dataclasses.replace(epilogue, quant_scale=None, scale_group=0, fp4=FP4_NONE, global_scale=None,
+                               normed_copy=False, ue8m0_scales=False, scale_layout=SCALES_ROWS)
 
 
 def fused_reference_float64(

@@ -261,7 +261,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
              WORLD, WIRE, BLOCK_H, STEPS)
     _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
-    params = _load_params(weight_ptr, steps, cols, mask, STEPS)
+    params = _load_params(weight_ptr, steps, cols, mask, n_tokens, STEPS)
     deadline = _start_clock(wait_limit, DEADLINE_GIVEN)
     deadline, failed = _check_peers(desc, own, desc_slot, state_ptr, deadline, RANK, WORLD)
     while first < my_rows:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,8 @@ from tpfuse.kernels import epilogue as block_end
 from tpfuse.kernels import kernels_usable
 from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.epilogue import Epilogue
-from tpfuse.kernels.reference import add_rmsnorm_reference, rank_part
+from tpfuse.kernels import formats
+from tpfuse.kernels.reference import add_rmsnorm_reference, rank_part, unquantised
 from tpfuse.kernels.vendor import fp8_format
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -155,14 +157,44 @@ def _check_steps(x: torch.Tensor, shape: torch.Size, steps: Epilogue, device: to
                              "a power of two >= 8 that divides it")
         if steps.quant_scale is not None:
             raise ValueError("quant_scale (static fp8) and a dynamic fp8 scale_group exclude each other")
-    scale = steps.quant_scale
-    if scale is not None:
+    for name in ("quant_scale", "global_scale"):
+        scale = getattr(steps, name)
+        if scale is None:
+            continue
         if not isinstance(scale, torch.Tensor):
-            raise TypeError(f"quant_scale must be a tensor or None, got {type(scale).__name__}")
+            raise TypeError(f"{name} must be a tensor or None, got {type(scale).__name__}")
         if scale.dtype != torch.float32 or scale.numel() != 1:
-            raise ValueError("quant_scale must be a float32 tensor of one element")
+            raise ValueError(f"{name} must be a float32 tensor of one element")
         if scale.device != device:
-            raise ValueError(f"quant_scale is on {scale.device} but x is on {device}")
+            raise ValueError(f"{name} is on {scale.device} but x is on {device}")
+    if steps.fp4 != block_end.FP4_NONE or steps.normed_copy or steps.ue8m0_scales \
+            or steps.scale_layout != block_end.SCALES_ROWS:
+        _check_quantised_output(steps, hidden)
+
+
+def _check_quantised_output(steps: Epilogue, hidden: int) -> None:
+    """How fp4, UE8M0 scales, scale layouts and the norm's copy combine with the rest of the block end."""
+    if steps.fp4 not in (block_end.FP4_NONE, block_end.FP4_NVFP4, block_end.FP4_MXFP4):
+        raise ValueError(f"fp4 must be FP4_NVFP4 or FP4_MXFP4, got {steps.fp4!r}")
+    if steps.fp4 != block_end.FP4_NONE:
+        group = block_end.FP4_GROUP[steps.fp4]
+        name = "NVFP4" if steps.fp4 == block_end.FP4_NVFP4 else "MXFP4"
+        if hidden % group:
+            raise ValueError(f"{name} scales {group} elements each: the hidden size {hidden} must be a multiple of "
+                             f"{group}")
+        if steps.fp8_output:
+            raise ValueError(f"{name} output excludes fp8 output (quant_scale, scale_group)")
+        if (steps.global_scale is None) != (steps.fp4 == block_end.FP4_MXFP4):
+            raise ValueError("NVFP4 takes a global_scale (float32, one element); MXFP4 takes none")
+    elif steps.global_scale is not None:
+        raise ValueError("global_scale is NVFP4's: pass fp4=NVFP4 with it")
+    if steps.scale_layout not in (block_end.SCALES_ROWS, block_end.SCALES_COLUMNS, block_end.SCALES_PACKED_UE8M0):
+        raise ValueError(f"scale_layout must be SCALES_ROWS, SCALES_COLUMNS or SCALES_PACKED_UE8M0, got "
+                         f"{steps.scale_layout!r}")
+    if (steps.ue8m0_scales or steps.scale_layout != block_end.SCALES_ROWS) and steps.scale_group <= 0:
+        raise ValueError("ue8m0_scales and scale_layout place dynamic fp8 scales: they need a scale_group")
+    if steps.normed_copy and not steps.quantised:
+        raise ValueError("normed_copy writes the norm's output beside a quantised one: y is not quantised here")
 
 
 def _check_topk_weights(weights, x: torch.Tensor, device: torch.device) -> None:
@@ -232,9 +264,12 @@ def _run(call: FusedCall, group_name: str) -> None:
                 for start in range(0, call.n_tokens, plan.chunk_rows):
                     part = call.rows(start, min(start + plan.chunk_rows, call.n_tokens))
                     _run_fused(comm, part, comm.plan(part), checking)
+                    if part.scales is not None and not formats.scales_by_rows(call.epilogue):
+                        formats.place_scale_rows(call.epilogue, call.scales, start, part.scales, part.n_tokens)
             except RuntimeError:
                 for out in call.outputs():  # a failed call returns none of its rows, not even those of
-                    out.fill_(float("nan"))  # chunks that went through
+                    # chunks that went through: NaN, or every bit set (codes and packed exponents)
+                    out.fill_(float("nan") if out.is_floating_point() else 0xFF if out.dtype == torch.uint8 else -1)
                 raise
             return
     local = _local_kernels.get((group_name, x.device), False)
@@ -295,6 +330,9 @@ def _run_reference(call: FusedCall, group_name: str, comm) -> None:
     call.h.copy_(h)
     if scales is not None:
         call.scales.copy_(scales)
+    if call.normed is not None:
+        call.normed.copy_(add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype,
+                                                unquantised(steps))[0])
     _stats.record("reference")
 
 
@@ -316,12 +354,20 @@ def _group_name(group: dist.ProcessGroup | None) -> str:
     return name
 
 
-def _dynamic_fp8_outputs(x: torch.Tensor, scale_group: int) -> tuple[torch.Tensor, ...]:
-    """(y8, scales, h), empty."""
+def _quantised_outputs(x: torch.Tensor, steps: Epilogue) -> tuple[torch.Tensor, ...]:
+    """(y, scales, h, normed) of a quantising call, empty: y fp8 [T, H] or fp4 codes [T, H / 2] (uint8),
+    the scales in their format and layout (float32 [T, 0] where there are none), normed in x's dtype
+    ([T, 0] without ``normed_copy``)."""
     n_tokens, hidden = x.shape[0], x.shape[-1]
-    groups = hidden // scale_group if scale_group > 0 else 0
-    return (_empty_rows(x, fp8_format(x.device).dtype),
-            torch.empty((n_tokens, groups), dtype=torch.float32, device=x.device), _empty_rows(x))
+    if steps.fp4 != block_end.FP4_NONE:
+        y = x.new_empty((n_tokens, hidden // 2), dtype=torch.uint8)
+    else:
+        y = _empty_rows(x, fp8_format(x.device).dtype)
+    scales = formats.empty_scales(steps, n_tokens, hidden, x.device)
+    if scales is None:
+        scales = x.new_empty((n_tokens, 0), dtype=torch.float32)
+    normed = _empty_rows(x) if steps.normed_copy else x.new_empty((n_tokens, 0))
+    return y, scales, _empty_rows(x), normed
 
 
 def _outputs(x: torch.Tensor, steps: Epilogue) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,6 +398,7 @@ _STEPS = block_end.schema()
 _lib.define(f"allreduce_add_rmsnorm({_CALL}, *, {_STEPS}) -> (Tensor, Tensor)")
 _lib.define(f"allreduce_add_rmsnorm_out({_CALL}, Tensor(a!) y, Tensor(b!) h, *, {_STEPS}) -> ()")
 _lib.define(f"allreduce_add_rmsnorm_dynamic_fp8({_CALL}, *, {_STEPS}) -> (Tensor, Tensor, Tensor)")
+_lib.define(f"allreduce_add_rmsnorm_quant({_CALL}, *, {_STEPS}) -> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define("all_reduce(Tensor x, str group_name) -> Tensor")
 #: A plain all-reduce's block end: the sum, nothing after it.
 SUM_ONLY = Epilogue(normed=False)
@@ -374,11 +421,23 @@ def _out(x, residual, weight, eps, group_name, y, h, **steps):
 def _dynamic_fp8(x, residual, weight, eps, group_name, **steps):
     steps = Epilogue(**steps)
     check_inputs(x, residual, weight, eps, steps)
-    if steps.scale_group <= 0:
-        raise ValueError(f"scale_group must be a positive int (elements per scale), got {steps.scale_group}")
-    y, scales, h = _dynamic_fp8_outputs(x, steps.scale_group)
+    if steps.scale_group <= 0 or steps.fp4 != block_end.FP4_NONE or steps.normed_copy:
+        raise ValueError(f"scale_group must be a positive int (elements per scale), got {steps.scale_group}; "
+                         "fp4 and normed_copy: allreduce_add_rmsnorm_quant")
+    y, scales, h, _ = _quantised_outputs(x, steps)
     _run(FusedCall(x, residual, weight, eps, y, h, steps, scales), group_name)
     return y, scales, h
+
+
+def _quant(x, residual, weight, eps, group_name, **steps):
+    steps = Epilogue(**steps)
+    check_inputs(x, residual, weight, eps, steps)
+    if not steps.quantised:
+        raise ValueError("allreduce_add_rmsnorm_quant quantises y: pass quant_scale, scale_group or fp4")
+    y, scales, h, normed = _quantised_outputs(x, steps)
+    _run(FusedCall(x, residual, weight, eps, y, h, steps, scales if scales.shape[1] else None,
+                   normed if steps.normed_copy else None), group_name)
+    return y, scales, h, normed
 
 
 def _all_reduce(x, group_name):
@@ -401,12 +460,17 @@ def _out_fake(x, residual, weight, eps, group_name, y, h, **steps):
 
 
 def _dynamic_fp8_fake(x, residual, weight, eps, group_name, **steps):
-    return _dynamic_fp8_outputs(x, steps.get("scale_group", 0))
+    return _quantised_outputs(x, Epilogue(**steps))[:3]
+
+
+def _quant_fake(x, residual, weight, eps, group_name, **steps):
+    return _quantised_outputs(x, Epilogue(**steps))
 
 
 for _name, _impl, _fake in (("allreduce_add_rmsnorm", _functional, _functional_fake),
                             ("allreduce_add_rmsnorm_out", _out, _out_fake),
                             ("allreduce_add_rmsnorm_dynamic_fp8", _dynamic_fp8, _dynamic_fp8_fake),
+                            ("allreduce_add_rmsnorm_quant", _quant, _quant_fake),
                             ("all_reduce", _all_reduce, _all_reduce_fake)):
     _lib.impl(_name, _impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"tpfuse::{_name}", _fake, lib=_lib)
@@ -553,9 +617,109 @@ def allreduce_add_rmsnorm_dynamic_fp8(
     if _through_the_op(x):
         return torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8(x, residual, weight, eps, group_name,
                                                                   **_step_kwargs(steps))
-    y, scales, h = _dynamic_fp8_outputs(x, scale_group)
+    y, scales, h, _ = _quantised_outputs(x, steps)
     _run(FusedCall(x, residual, weight, eps, y, h, steps, scales), group_name)
     return y, scales, h
+
+
+class QuantizedOutputs(NamedTuple):
+    """What :func:`allreduce_add_rmsnorm_quant` returns.
+
+    Attributes
+    ----------
+    y : Tensor
+        fp8 [T, H] (the device's format), or fp4 codes [T, H / 2] uint8 (two e2m1 codes a byte, the
+        even column in the low nibble).
+    scales : Tensor or None
+        Dynamic fp8's float32 [T, H / scale_group] (column-major or packed UE8M0 int32 [T, ceil(G / 4)]
+        as ``scale_layout`` says), NVFP4's float8_e4m3fn [T rounded up to 128, H / 16 rounded up to 4]
+        in the 128 x 4 tiles of Blackwell's FP4 GEMMs, MXFP4's float8_e8m0fnu [T, H / 32]; None for
+        static fp8.
+    h : Tensor [T, H]
+        The new residual stream.
+    normed : Tensor [T, H] or None
+        The norm's output before quantisation, in x's dtype (``normed_copy=True``).
+    """
+
+    y: torch.Tensor
+    scales: torch.Tensor | None
+    h: torch.Tensor
+    normed: torch.Tensor | None
+
+
+#: ``allreduce_add_rmsnorm_quant``'s ``output`` and ``scale_layout`` words.
+_FP4 = {"fp8": block_end.FP4_NONE, "nvfp4": block_end.FP4_NVFP4, "mxfp4": block_end.FP4_MXFP4}
+_SCALE_LAYOUTS = {"rows": block_end.SCALES_ROWS, "columns": block_end.SCALES_COLUMNS,
+                  "packed_ue8m0": block_end.SCALES_PACKED_UE8M0}
+
+
+def allreduce_add_rmsnorm_quant(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    output: str = "fp8",
+    group: dist.ProcessGroup | None = None,
+    quant_scale: torch.Tensor | None = None,
+    scale_group: int | None = None,
+    ue8m0_scales: bool = False,
+    scale_layout: str = "rows",
+    global_scale: torch.Tensor | None = None,
+    normed_copy: bool = False,
+    bias: torch.Tensor | None = None,
+    sum_weight: torch.Tensor | None = None,
+    layer_norm: bool = False,
+    norm_bias: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    shared_expert: torch.Tensor | None = None,
+) -> QuantizedOutputs:
+    """:func:`allreduce_add_rmsnorm` with ``y`` in the quantised form the next GEMM takes, in the same call.
+
+    ``output``:
+
+    - ``"fp8"``: static with ``quant_scale``, else dynamic with a scale a ``scale_group`` elements
+      (None: one a token) as :func:`allreduce_add_rmsnorm_dynamic_fp8`; ``ue8m0_scales`` rounds each
+      scale up to a power of two; ``scale_layout`` ``"rows"`` (float32 [T, G]), ``"columns"`` (float32
+      [T, G] stored column-major with T padded to 4: DeepGEMM's fp8 GEMMs on Hopper) or
+      ``"packed_ue8m0"`` (the exponents, four to an int32, column-major, T padded to 4: DeepGEMM on
+      Blackwell; rounds as ``ue8m0_scales``).
+    - ``"nvfp4"``: e2m1 of ``y * g / s`` with ``s = e4m3(amax / 6 * g)`` a 16 elements, ``g`` the float32
+      ``global_scale`` (vLLM's ``input_global_scale``, e.g. ``448 * 6 / amax(y)``).
+    - ``"mxfp4"``: e2m1 of ``y / 2**e`` with ``e = floor(log2(amax)) - 2`` a 32 elements (OCP MX).
+
+    ``normed_copy=True`` also returns the norm's output in x's dtype (a normed row that feeds a
+    quantised GEMM and something else). The other keywords as for :func:`allreduce_add_rmsnorm`.
+
+    Returns
+    -------
+    QuantizedOutputs
+        ``(y, scales, h, normed)``.
+    """
+    if output not in _FP4:
+        raise ValueError(f"output must be one of {sorted(_FP4)}, got {output!r}")
+    if scale_layout not in _SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {sorted(_SCALE_LAYOUTS)}, got {scale_layout!r}")
+    fp4 = _FP4[output]
+    if fp4 == block_end.FP4_NONE and quant_scale is None:
+        scale_group = x.shape[-1] if scale_group is None and isinstance(x, torch.Tensor) else scale_group
+        if isinstance(scale_group, bool) or not isinstance(scale_group, int) or scale_group <= 0:
+            raise ValueError(f"scale_group must be a positive int (elements per scale), got {scale_group!r}")
+    elif scale_group is not None:
+        raise ValueError("scale_group is dynamic fp8's: static fp8 (quant_scale) and fp4 have their own scales")
+    steps = Epilogue(quant_scale=quant_scale, bias=bias, sum_weight=sum_weight, layer_norm=layer_norm,
+                     norm_bias=norm_bias, scale_group=scale_group or 0, experts=_experts(x),
+                     topk_weights=topk_weights, shared_expert=shared_expert, normed_copy=normed_copy,
+                     ue8m0_scales=ue8m0_scales, scale_layout=_SCALE_LAYOUTS[scale_layout], fp4=fp4,
+                     global_scale=global_scale)
+    check_inputs(x, residual, weight, eps, steps)
+    group_name = _group_name(group)
+    if _through_the_op(x):
+        y, scales, h, normed = torch.ops.tpfuse.allreduce_add_rmsnorm_quant(x, residual, weight, eps, group_name,
+                                                                           **_step_kwargs(steps))
+    else:
+        y, scales, h, normed = _quant(x, residual, weight, eps, group_name, **_step_kwargs(steps))
+    return QuantizedOutputs(y, scales if scales.shape[-1] else None, h, normed if normed_copy else None)
 
 
 def _experts(x) -> int:

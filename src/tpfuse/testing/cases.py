@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tpfuse.kernels import formats
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.epilogue import Epilogue
-from tpfuse.kernels.reference import fused_reference_float64, rank_part
+from tpfuse.kernels.epilogue import FP4_MXFP4, FP4_NONE, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0, SCALES_ROWS, Epilogue
+from tpfuse.kernels.reference import fused_reference_float64, rank_part, unquantised
 from tpfuse.kernels.vendor import E4M3FN, E4M3FNUZ, fp8_format
 
 # (atol, rtol) of y and h against float64, by the dtype y is stored in.
@@ -25,6 +26,8 @@ TOLERANCE = {
 }
 #: Dynamic fp8 scales against amax / fp8 max of the float64 y (the two-shot's y comes from a rounded h).
 SCALE_TOLERANCE = (0.0, 1e-2)
+FP4 = {"": FP4_NONE, "nvfp4": FP4_NVFP4, "mxfp4": FP4_MXFP4}
+SCALE_LAYOUTS = {"rows": SCALES_ROWS, "columns": SCALES_COLUMNS, "packed_ue8m0": SCALES_PACKED_UE8M0}
 
 
 @dataclass(frozen=True)
@@ -57,13 +60,28 @@ class Case:
     experts: int = 0
     topk_weighted: bool = False
     shared_expert: bool = False
+    # The quantised outputs the next GEMM takes (``tpfuse.allreduce_add_rmsnorm_quant``): "nvfp4" or
+    # "mxfp4" y; dynamic fp8 scales as powers of two and in a layout ("rows", "columns",
+    # "packed_ue8m0"); the norm's output in x's dtype beside the quantised one.
+    fp4: str = ""
+    ue8m0_scales: bool = False
+    scale_layout: str = "rows"
+    normed_copy: bool = False
+
+    @property
+    def quant_call(self) -> bool:
+        """Whether the call goes through ``allreduce_add_rmsnorm_quant`` (and returns its four outputs)."""
+        return bool(self.fp4) or self.ue8m0_scales or self.scale_layout != "rows" or self.normed_copy
 
     def epilogue(self, inputs: dict, rank: int = 0) -> Epilogue:
         """Rank ``rank``'s block end (:class:`Epilogue`) from ``inputs``."""
         return Epilogue(quant_scale=inputs["quant_scale"], bias=inputs["bias"], sum_weight=inputs["sum_weight"],
                         layer_norm=self.layer_norm, norm_bias=inputs["norm_bias"], scale_group=self.scale_group,
                         normed=self.normed, experts=self.experts, topk_weights=inputs["topk_weights"],
-                        shared_expert=None if inputs["shared"] is None else inputs["shared"][rank])
+                        shared_expert=None if inputs["shared"] is None else inputs["shared"][rank],
+                        normed_copy=self.normed_copy, ue8m0_scales=self.ue8m0_scales,
+                        scale_layout=SCALE_LAYOUTS[self.scale_layout], fp4=FP4[self.fp4],
+                        global_scale=inputs["global_scale"])
 
     def fused_call(self, inputs: dict, rank: int) -> FusedCall:
         """Rank ``rank``'s call as the kernels take it, with fresh outputs poisoned with NaN."""
@@ -75,11 +93,15 @@ class Case:
             fmt = fp8_format(x.device)  # poisoned with its NaN code: 0xFF (e4m3fn), 0x80 (e4m3fnuz)
             nan_code = 0x80 if fmt is E4M3FNUZ else 0xFF
             y = torch.full(rows, nan_code, dtype=torch.uint8, device=x.device).view(fmt.dtype)
-        scales = None
-        if self.scale_group:
-            scales = torch.full((self.tokens, self.hidden // self.scale_group), float("nan"), device=x.device)
+        elif self.fp4:
+            y = torch.full((self.tokens, self.hidden // 2), 0xFF, dtype=torch.uint8, device=x.device)
+        scales = formats.empty_scales(steps, self.tokens, self.hidden, x.device)
+        if scales is not None:  # every bit set: NaN, or packed exponents no scale has
+            scales.fill_(float("nan") if scales.is_floating_point() else -1)
+        normed = torch.full(rows, float("nan"), dtype=x.dtype, device=x.device) if self.normed_copy else None
         h = torch.full(rows, float("nan"), dtype=x.dtype, device=x.device)
-        return FusedCall(x, inputs["residual"], inputs["weight"], self.eps, y if self.normed else h, h, steps, scales)
+        return FusedCall(x, inputs["residual"], inputs["weight"], self.eps, y if self.normed else h, h, steps, scales,
+                         normed)
 
     def call(self, inputs: dict, rank: int, **kwargs):
         """This rank's call through the public API: ``(y, h)``, or ``(y, h, scales)`` for dynamic fp8."""
@@ -92,6 +114,12 @@ class Case:
         extras = dict(bias=inputs["bias"], sum_weight=inputs["sum_weight"], layer_norm=self.layer_norm,
                       norm_bias=inputs["norm_bias"], topk_weights=inputs["topk_weights"],
                       shared_expert=None if inputs["shared"] is None else inputs["shared"][rank], **kwargs)
+        if self.quant_call:
+            y, scales, h, normed = tpfuse.allreduce_add_rmsnorm_quant(
+                *args, output=self.fp4 or "fp8", quant_scale=inputs["quant_scale"],
+                scale_group=self.scale_group or None, ue8m0_scales=self.ue8m0_scales, scale_layout=self.scale_layout,
+                global_scale=inputs["global_scale"], normed_copy=self.normed_copy, **extras)
+            return y, h, scales, normed
         if self.scale_group:
             y, scales, h = tpfuse.allreduce_add_rmsnorm_dynamic_fp8(*args, scale_group=self.scale_group,
                                                                     **extras)
@@ -124,19 +152,23 @@ class Case:
             shared = [torch.randn(shape, generator=g).to(self.dtype) for _ in range(world_size)]
 
         move = (lambda t: None if t is None else t.to(device))
+        # NVFP4's global scale: y's amax (about 4 here) near 448 * 6 / 10, as vLLM picks it.
+        global_scale = torch.tensor([448 * 6 / 10.0]) if self.fp4 == "nvfp4" else None
         return {"xs": [move(x) for x in xs], "residual": move(residual), "weight": move(weight),
-                "quant_scale": move(scale), "bias": move(row(self.bias, 0.0)),
+                "quant_scale": move(scale), "global_scale": move(global_scale), "bias": move(row(self.bias, 0.0)),
                 "sum_weight": move(row(self.sum_norm, 1.0)), "norm_bias": move(row(self.norm_bias, 0.0)),
                 "topk_weights": move(topk_weights), "shared": None if shared is None else [move(t) for t in shared]}
 
 
 def check_results(case: Case, world_size: int, per_rank: list[tuple[torch.Tensor, ...]],
                   inputs: dict | None = None) -> None:
-    """Assert every rank's ``(y, h)`` (``(y, h, scales)`` for dynamic fp8) matches float64 and that all
-    ranks agree bit for bit.
+    """Assert every rank's ``(y, h)`` (``(y, h, scales)`` for dynamic fp8, ``(y, h, scales, normed)``
+    through ``allreduce_add_rmsnorm_quant``) matches float64 and that all ranks agree bit for bit.
 
     A dynamic fp8 ``y`` is compared in its own scaled units (``y_ref / scale``), with fp8's tolerance,
-    and each scale with ``amax / 448`` of the float64 ``y`` (240 where y is float8_e4m3fnuz).
+    and each scale with ``amax / 448`` of the float64 ``y`` (240 where y is float8_e4m3fnuz; UE8M0
+    scales: the power of two at or above it). fp4 ``y`` is decoded by the format's definition
+    (``kernels.formats``) and compared in its scaled units within half a step of e2m1.
     """
     inputs = inputs or case.inputs(world_size)
     # The fp8 format the ranks' device gives (a GPU's results come back on the CPU): from y's dtype.
@@ -145,19 +177,28 @@ def check_results(case: Case, world_size: int, per_rank: list[tuple[torch.Tensor
     # make it (fp32, in their order), since an fp32 sum that rounds the other way from float64's at a
     # tie moves a dynamic fp8 code; the sum and the block end stay float64.
     parts = [rank_part(x, case.epilogue(inputs, rank)) for rank, x in enumerate(inputs["xs"])]
-    y_ref, h_ref = fused_reference_float64(parts, inputs["residual"], inputs["weight"], case.eps,
-                                           case.epilogue(inputs), fmt)
+    epilogue = case.epilogue(inputs)
+    reference = (parts, inputs["residual"], inputs["weight"], case.eps)
+    y_ref, h_ref = fused_reference_float64(*reference, epilogue, fmt)
     first = per_rank[0]
-    for rank, (y, h, *scales) in enumerate(per_rank):
+    for rank, (y, h, *extra) in enumerate(per_rank):
+        scales, normed = (list(extra) + [None, None])[:2]
         checks = [("y", y, y_ref), ("h", h, h_ref)]
-        if case.scale_group:
-            scales = scales[0].cpu().double()
+        if case.fp4:
+            checks = [("h", h, h_ref)] + _fp4_checks(epilogue, y.cpu(), scales.cpu(), y_ref.cpu())
+        elif case.scale_group:
+            got = formats.scales_as_float(epilogue, scales.cpu(), case.tokens, case.hidden).double()
             groups = y_ref.cpu().unflatten(-1, (-1, case.scale_group))
             expected = (groups.abs().amax(-1) / fmt.max).clamp(min=fmt.min_dynamic_scale)
-            checks = [("y", y, (groups / scales.unsqueeze(-1)).flatten(-2)), ("h", h, h_ref),
-                      ("scales", scales.float(), expected)]
+            checks = [("y", y, (groups / got.unsqueeze(-1)).flatten(-2)), ("h", h, h_ref)]
+            if epilogue.pow2_scales:
+                _check_powers_of_two(case, rank, got, expected)
+            else:
+                checks.append(("scales", got.float(), expected))
+        if normed is not None:
+            checks.append(("normed", normed, fused_reference_float64(*reference, unquantised(epilogue))[0]))
         for name, got, ref in checks:
-            atol, rtol = SCALE_TOLERANCE if name == "scales" else TOLERANCE[got.dtype]
+            atol, rtol = SCALE_TOLERANCE if name == "scales" else TOLERANCE.get(got.dtype, (0.0, 0.0))
             got64 = got.cpu().double()
             bad = ~torch.isclose(got64, ref.cpu(), atol=atol, rtol=rtol)
             if bad.any():
@@ -166,7 +207,49 @@ def check_results(case: Case, world_size: int, per_rank: list[tuple[torch.Tensor
                     f"{case} rank {rank}: {name} differs from float64 at {bad.sum().item()} places, first "
                     f"{i}: {got64[tuple(i)].item()} vs {ref[tuple(i)].item()}")
         ours = per_rank[rank]
-        same = [torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
-                for a, b in zip(ours, first)]
+        same = [a is None and b is None or torch.equal(_bytes(a), _bytes(b)) for a, b in zip(ours, first)]
         if not all(same):
             raise AssertionError(f"{case}: rank {rank}'s result is not bit-identical to rank 0's")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's values as bytes, row-major (a column-major view of one column is "contiguous" to
+    torch with a last stride that is not 1)."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).view(torch.uint8)
+
+
+def _check_powers_of_two(case: Case, rank: int, got: torch.Tensor, expected: torch.Tensor) -> None:
+    """UE8M0 scales: powers of two, the one at or above ``expected`` (or the next, where the kernel's
+    amax rounded across one)."""
+    exponent = torch.log2(got)
+    low = torch.ceil(torch.log2(expected * (1 - SCALE_TOLERANCE[1])))
+    high = torch.ceil(torch.log2(expected * (1 + SCALE_TOLERANCE[1])))
+    ok = (exponent == torch.round(exponent)) & (exponent >= low) & (exponent <= high)
+    if not ok.all():
+        i = tuple((~ok).nonzero()[0].tolist())
+        raise AssertionError(f"{case} rank {rank}: UE8M0 scale {got[i].item()} is not the power of two at or above "
+                             f"{expected[i].item()}")
+
+
+def _fp4_checks(epilogue: Epilogue, y: torch.Tensor, scales: torch.Tensor, y_ref: torch.Tensor) -> list:
+    """fp4 ``y`` decoded, in its scaled units, against float64 (within half an e2m1 step, saturated at
+    6), and its scales against their definitions; as (name, got, ref) checks with exact tolerance."""
+    n_tokens, hidden = y_ref.shape
+    group = 16 if epilogue.fp4 == FP4_NVFP4 else 32
+    got_scales = formats.scales_as_float(epilogue, scales, n_tokens, hidden).double()
+    amax = y_ref.unflatten(-1, (-1, group)).abs().amax(-1)
+    if epilogue.fp4 == FP4_NVFP4:
+        g = epilogue.global_scale.cpu().double()
+        wanted = (amax / 6 * g).clamp(max=448)
+        scale_ok = torch.isclose(got_scales, wanted, rtol=TOLERANCE[torch.float8_e4m3fn][1], atol=2 ** -9)
+        factor = torch.where(got_scales > 0, g / got_scales, torch.zeros_like(got_scales))
+    else:  # amax in [4 s, 8 s): e2m1's largest power of two, 4, times the scale
+        slack = 1 + SCALE_TOLERANCE[1]
+        scale_ok = (4 * got_scales <= amax * slack) & (amax < 8 * got_scales * slack)
+        factor = 1 / got_scales
+    v = (y_ref.unflatten(-1, (-1, group)) * factor.unsqueeze(-1)).flatten(-2).clamp(-6, 6)
+    step = torch.where(v.abs() < 2, 0.5, torch.where(v.abs() < 4, 1.0, 2.0))
+    decoded = formats.e2m1_values(y).double()
+    value_ok = (decoded - v).abs() <= step / 2 + 1e-2 * v.abs() + 1e-6
+    return [("fp4 scales", scale_ok.double(), torch.ones_like(got_scales)),
+            ("fp4 y", value_ok.double(), torch.ones_like(v))]

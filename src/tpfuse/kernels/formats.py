@@ -1,0 +1,195 @@
+"""The quantised outputs the next GEMM takes, in torch: their codes, their scales and where the scales go.
+
+The kernels' reference (``kernels.reference``) and the tests' decoders; the ops allocate outputs here
+(``empty_scales``). The formats (``kernels/epilogue.py`` computes the same in Triton):
+
+- UE8M0 scales: powers of two, each an exponent byte (``2**(e - 127)``), packed four to an int32
+  (group ``4j + k`` in byte ``k`` of word ``j``), column-major with the tokens padded to 4:
+  DeepGEMM's scale layout on Blackwell. Column-major float32 scales (the same padding) are its
+  layout on Hopper.
+- e2m1 (fp4): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; two codes a byte, the even column in
+  the low nibble.
+- NVFP4: e2m1 of ``y * g / s`` with an e4m3 scale ``s = e4m3(amax / 6 * g)`` a 16 elements and a
+  global scale ``g`` (fp32, the caller's), the scales swizzled in 128 x 4 tiles
+  (:func:`swizzle_block_scales`) as Blackwell's FP4 GEMMs (and vLLM's ``scaled_fp4_quant``) read them.
+- MXFP4 (OCP): e2m1 of ``y / 2**e`` with an e8m0 scale ``2**e``, ``e = floor(log2(amax)) - 2``, a 32
+  elements, row-major.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpfuse.kernels.epilogue import (FP4_GROUP, FP4_MXFP4, FP4_NONE, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0,
+                                     SCALES_ROWS, Epilogue)
+
+#: The e2m1 values by code (bit 3 the sign).
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+# |v| above each: one code more (ties to the even code: 0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, ...).
+_E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def scale_groups(epilogue: Epilogue, hidden: int) -> int:
+    """Scales a row: fp4's groups, dynamic fp8's (1 for one a token), or 0 (no scales)."""
+    if epilogue.fp4 != FP4_NONE:
+        return hidden // FP4_GROUP[epilogue.fp4]
+    if epilogue.scale_group > 0:
+        return hidden // epilogue.scale_group
+    return 0
+
+
+def empty_scales(epilogue: Epilogue, n_tokens: int, hidden: int, device) -> torch.Tensor | None:
+    """Where a call of ``n_tokens`` rows writes its scales, in their format and layout (None: no
+    scales). Layouts with padding come zeroed (the kernels write only the real rows and groups)."""
+    groups = scale_groups(epilogue, hidden)
+    if groups == 0:
+        return None
+    if epilogue.fp4 == FP4_NVFP4:
+        return torch.zeros((_round_up(n_tokens, 128), _round_up(groups, 4)), dtype=torch.float8_e4m3fn, device=device)
+    if epilogue.fp4 == FP4_MXFP4:
+        return torch.empty((n_tokens, groups), dtype=torch.float8_e8m0fnu, device=device)
+    if epilogue.scale_layout == SCALES_ROWS:
+        return torch.empty((n_tokens, groups), dtype=torch.float32, device=device)
+    columns, dtype = ((groups, torch.float32) if epilogue.scale_layout == SCALES_COLUMNS
+                      else ((groups + 3) // 4, torch.int32))
+    # [T, columns] stored column-major, the tokens padded to 4: a view of [columns, T4].
+    return torch.zeros((columns, _round_up(n_tokens, 4)), dtype=dtype, device=device).t()[:n_tokens]
+
+
+def scales_by_rows(epilogue: Epilogue) -> bool:
+    """Whether rows ``a:b`` of a call's scales are rows ``0:b-a`` of the same layout (a part of a call
+    can write into a slice of them)."""
+    return epilogue.fp4 == FP4_MXFP4 or (epilogue.fp4 == FP4_NONE and epilogue.scale_layout == SCALES_ROWS)
+
+
+def place_scale_rows(epilogue: Epilogue, scales: torch.Tensor, start: int, part: torch.Tensor, rows: int) -> None:
+    """Put ``part`` (the scales of a call of ``rows`` rows, in their layout) at rows ``start:start + rows``
+    of ``scales`` (a larger call's)."""
+    if epilogue.fp4 == FP4_NVFP4:
+        groups = _round_up(scales.shape[1], 4)
+        whole = unswizzle_block_scales(scales, scales.shape[0], groups)
+        whole[start:start + rows] = unswizzle_block_scales(part, part.shape[0], groups)[:rows]
+        scales.copy_(swizzle_block_scales(whole))
+    else:
+        scales[start:start + rows].copy_(part[:rows])
+
+
+def scales_as_float(epilogue: Epilogue, scales: torch.Tensor, n_tokens: int, hidden: int) -> torch.Tensor:
+    """A call's scales, whatever their format and layout, as float32 ``[T, groups]``."""
+    groups = scale_groups(epilogue, hidden)
+    if epilogue.fp4 == FP4_NVFP4:
+        return unswizzle_block_scales(scales, scales.shape[0], scales.shape[1])[:n_tokens, :groups].float()
+    if epilogue.fp4 == FP4_MXFP4:
+        return e8m0_values(scales.view(torch.uint8))
+    if epilogue.scale_layout == SCALES_PACKED_UE8M0:
+        rows = torch.empty(scales.shape, dtype=torch.int32, device=scales.device).copy_(scales)  # row-major
+        words = rows.view(torch.uint8).view(n_tokens, -1)  # bytes little-endian: group order
+        return e8m0_values(words[:, :groups])
+    return scales.float().contiguous()
+
+
+def in_layout(epilogue: Epilogue, scales: torch.Tensor) -> torch.Tensor:
+    """Float32 scales ``[T, groups]`` (powers of two for the packed layout) in the call's layout."""
+    out = empty_scales(epilogue, scales.shape[0], scales.shape[1] * max(epilogue.scale_group, 1), scales.device)
+    if epilogue.scale_layout == SCALES_PACKED_UE8M0:
+        exponents = ue8m0_bytes(scales).to(torch.int32)
+        padded = torch.zeros((scales.shape[0], out.shape[1] * 4), dtype=torch.int32, device=scales.device)
+        padded[:, :scales.shape[1]] = exponents
+        words = padded.view(scales.shape[0], -1, 4)
+        scales = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24
+    out.copy_(scales)
+    return out
+
+
+# --- codes ------------------------------------------------------------------------------------------
+
+def pow2_at_least(scales: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= each (positive, normal) float32 scale, exactly."""
+    bits = scales.float().view(torch.int32)
+    return ((bits + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+
+
+def ue8m0_bytes(scales: torch.Tensor) -> torch.Tensor:
+    """Powers of two (float32) as their biased exponents (uint8 codes of e8m0)."""
+    return ((scales.float().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+
+
+def e8m0_values(codes: torch.Tensor) -> torch.Tensor:
+    """e8m0 codes (uint8) -> float32 ``2**(code - 127)`` (0xFF, NaN, is not expected)."""
+    return torch.ldexp(torch.ones(codes.shape, dtype=torch.float64), codes.to(torch.int64) - 127).float()
+
+
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """float32 -> e2m1 codes (uint8, 0..15): nearest, ties to even, saturated at 6, the sign kept."""
+    a = v.float().abs()
+    code = torch.zeros(v.shape, dtype=torch.int32, device=v.device)
+    for edge, inclusive in _E2M1_STEPS:
+        code += (a >= edge if inclusive else a > edge).to(torch.int32)
+    sign = (v.float().view(torch.int32) < 0).to(torch.int32)
+    return (code | sign << 3).to(torch.uint8)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., H] -> bytes [..., H / 2], the even column in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., H / 2] of two e2m1 codes -> float32 [..., H]."""
+    table = E2M1_VALUES.to(packed.device)
+    low, high = table[(packed & 0xF).long()], table[(packed >> 4).long()]
+    return torch.stack([low, high], dim=-1).flatten(-2)
+
+
+# --- NVFP4's swizzled scales --------------------------------------------------------------------------
+
+def swizzle_block_scales(scales: torch.Tensor) -> torch.Tensor:
+    """``[M, G]`` scales (M a multiple of 128, G of 4) in the 128 x 4 tiles Blackwell's FP4 GEMMs read:
+    tile (m // 128, g // 4) holds 512 entries, entry (m, g) at ``(m % 32) * 16 + (m % 128) // 32 * 4 +
+    g % 4``; tiles row-major. Returned as ``[M, G]`` in that memory order."""
+    m, g = scales.shape
+    tiles = scales.reshape(m // 128, 4, 32, g // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().reshape(m, g)
+
+
+def unswizzle_block_scales(swizzled: torch.Tensor, m: int, g: int) -> torch.Tensor:
+    """The inverse of :func:`swizzle_block_scales`: ``[M, G]`` scales by row and group."""
+    tiles = swizzled.reshape(m // 128, g // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().reshape(m, g)
+
+
+# --- quantising a row ------------------------------------------------------------------------------
+
+def nvfp4(y: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``y`` [T, H] as NVFP4: (codes [T, H / 2] uint8, swizzled e4m3 scales), in the kernels'
+    operations and order."""
+    n_tokens, hidden = y.shape
+    groups = y.float().unflatten(-1, (-1, FP4_GROUP[FP4_NVFP4]))
+    g = global_scale.float()
+    scales = (groups.abs().amax(-1) / 6.0 * g).clamp(max=448.0).to(torch.float8_e4m3fn)
+    decoded = scales.float()
+    factor = torch.where(decoded > 0, g / decoded, torch.zeros_like(decoded))
+    codes = pack_e2m1(e2m1_codes((groups * factor.unsqueeze(-1)).flatten(-2)))
+    padded = torch.zeros((_round_up(n_tokens, 128), _round_up(scales.shape[1], 4)), dtype=torch.float8_e4m3fn,
+                         device=y.device)
+    padded[:n_tokens, :scales.shape[1]] = scales
+    return codes, swizzle_block_scales(padded)
+
+
+def mxfp4(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``y`` [T, H] as MXFP4: (codes [T, H / 2] uint8, e8m0 scales [T, H / 32])."""
+    groups = y.float().unflatten(-1, (-1, FP4_GROUP[FP4_MXFP4]))
+    amax_exponent = (groups.abs().amax(-1).view(torch.int32) >> 23) & 0xFF
+    exponent = (amax_exponent - 2).clamp(min=0)
+    factor = ((254 - exponent) << 23).view(torch.float32)
+    codes = pack_e2m1(e2m1_codes((groups * factor.unsqueeze(-1)).flatten(-2)))
+    return codes, exponent.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+__all__ = ["E2M1_VALUES", "e2m1_codes", "e2m1_values", "e8m0_values", "empty_scales", "in_layout", "mxfp4",
+           "nvfp4", "pack_e2m1", "place_scale_rows", "pow2_at_least", "scale_groups", "scales_as_float",
+           "scales_by_rows", "swizzle_block_scales", "ue8m0_bytes", "unswizzle_block_scales"]
