@@ -141,3 +141,33 @@ def test_a_calls_addresses_are_its_kernel_tensors_pointers(case):
             assert getattr(steps, name).data_ptr() == given.data_ptr() and steps.scales.dtype == torch.uint8
             continue
         assert getattr(steps, name) is (given if given is not None else call.weight), name
+
+
+# The quantised outputs (tests/ops/test_quantised_outputs.py checks them on ranks): here as one GPU
+# compiles them, where the fp8 conversions are the hardware's.
+QUANTISED = [Case(3, 4096, quant_scale=0.02, normed_copy=True, seed=31),
+             Case(5, 1024, scale_group=128, ue8m0_scales=True, normed_copy=True, seed=32),
+             Case(6, 2048, torch.float16, residual=False, scale_group=128, scale_layout="columns", seed=33),
+             Case(5, 1024, scale_group=128, scale_layout="packed_ue8m0", seed=34),
+             Case(4, 2880, fp4="nvfp4", normed_copy=True, seed=35),
+             Case(3, 4096, fp4="mxfp4", seed=36)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot", "local"])
+def test_quantised_outputs_compiled_on_one_gpu(algorithm):
+    from tpfuse.kernels import layout
+    from tpfuse.kernels.local import local_add_rmsnorm
+    from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
+    from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+    from tpfuse.testing import local_launch_contexts
+
+    device = torch.device("cuda")
+    ctx = local_launch_contexts(device, 16 * 4096)[0]
+    launch = {"oneshot": lambda call: oneshot_allreduce_add_rmsnorm(ctx, call),
+              "twoshot": lambda call: twoshot_allreduce_add_rmsnorm(ctx, call), "local": local_add_rmsnorm}[algorithm]
+    for case in QUANTISED:
+        call = case.fused_call(case.inputs(1, device), 0)
+        launch(call)
+        check_results(case, 1, [(call.y, call.h, call.scales, call.normed)])
+    assert ctx.workspace.state[layout.STATE_ERROR].item() == 0
