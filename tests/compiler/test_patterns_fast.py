@@ -21,7 +21,8 @@ from tpfuse.models.llama import HFRMSNorm
 
 HIDDEN, TOKENS = 64, 6
 FUSED_OPS = (torch.ops.tpfuse.allreduce_add_rmsnorm.default,
-             torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default)
+             torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default,
+             torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default)
 aten, prims = torch.ops.aten, torch.ops.prims
 # What the replacement may put before the fused op (the branches' sum, the number, the biases' sum) and
 # after it (the caller's shapes); anything else left in the graph is a step that did not fuse.
@@ -361,3 +362,50 @@ def test_a_moe_finalize_fuses_into_the_op(form):
     assert (op.kwargs.get("shared_expert") is not None) is (form != "routed only")
     before = {n.target for n in _ancestors([op]) if n.op == "call_function"}
     assert before <= VIEWS | {aten.unsqueeze.default}, before  # the weights' views: no copy, no sum
+
+
+class NormQuantisedAndRead(nn.Module):
+    """A norm whose result is quantised for the next GEMM and also read as it is (DeepSeek-V3.2's indexer,
+    MLA): static or dynamic fp8, the dynamic scales rounded up to powers of two as DeepGEMM's UE8M0
+    scales are made (``pow(2, ceil(log2(|s|)))`` or ``exp2``) or not."""
+
+    def __init__(self, quant: str, ue8m0: str, copy: bool):
+        super().__init__()
+        self.quant, self.ue8m0, self.copy = quant, ue8m0, copy
+        self.norm = HFRMSNorm(HIDDEN, 1e-5)
+        self.register_buffer("scale", torch.tensor([0.05]))
+
+    def forward(self, x, residual):
+        h = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
+        y = self.norm(h)
+        fmt = fp8_format(y.device)
+        if self.quant == "static":
+            outputs = ((y.float() / self.scale.float()).clamp(-fmt.max, fmt.max).to(fmt.dtype), h)
+        else:
+            groups = y.float().unflatten(-1, (-1, 16))
+            scales = (groups.abs().amax(-1, keepdim=True) / fmt.max).clamp(min=fmt.min_dynamic_scale)
+            if self.ue8m0 == "pow":
+                scales = torch.pow(2.0, torch.ceil(torch.log2(scales.abs())))
+            elif self.ue8m0 == "exp2":
+                scales = torch.exp2(torch.ceil(torch.log2(scales)))
+            q = (groups / scales).clamp(-fmt.max, fmt.max).to(fmt.dtype).flatten(-2)
+            outputs = (q, scales.squeeze(-1), h)
+        return outputs + ((y,) if self.copy else ())
+
+
+@pytest.mark.parametrize("quant, ue8m0, copy", [("static", "", True), ("dynamic", "", True), ("dynamic", "pow", False),
+                                                ("dynamic", "exp2", True)])
+def test_the_norms_copy_and_ue8m0_scales_fuse_into_the_op(quant, ue8m0, copy):
+    x, residual = torch.randn(TOKENS, HIDDEN).bfloat16(), torch.randn(TOKENS, HIDDEN).bfloat16()
+    fusion_pass = FusionPass(fusion_limit=16)
+    graph = post_grad_pass_without_dynamo(NormQuantisedAndRead(quant, ue8m0, copy).bfloat16(), x, residual,
+                                          fusion_pass=fusion_pass)
+    [[site]] = fusion_pass.reports
+    assert site.pattern == f"AllReduceAddRMSNorm{'DynamicQuant' if quant == 'dynamic' else 'Quant'}", str(site)
+    assert leftovers(graph) == []
+    [op] = [n for n in graph.nodes if n.op == "call_function" and n.target in FUSED_OPS]
+    assert op.target == torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default
+    assert op.kwargs["normed_copy"] is copy and op.kwargs["ue8m0_scales"] is bool(ue8m0), op.kwargs
+    # Every output the module returns comes from the op: its y, scales, h and the norm's copy.
+    returned = [a for a in graph.output_node().args[0]]
+    assert all(op in _ancestors([r]) | {r} for r in returned if isinstance(r, torch.fx.Node))

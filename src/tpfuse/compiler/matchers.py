@@ -7,6 +7,8 @@ LayerNorm, static and dynamic fp8, a second all-reduced branch, a bias.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import operator
 from dataclasses import dataclass
 
@@ -238,8 +240,8 @@ def match_static_fp8(y: Node, div: Node | None = None) -> tuple[Node, Node, list
     device whose fp8 is float8_e4m3fnuz (gfx942), ``clamp(..., -240, 240).to(float8_e4m3fnuz)``.
     ``div``: the division to start from, when ``y`` has other users (dynamic fp8)."""
     fmt = fp8_of(y)
-    start = convert_to(y, torch.float32) if div is None else None
-    start = start if start is not None and len(y.users) == 1 else y
+    start = convert_to(y, torch.float32) if div is None else None  # y may have other users: the norm's copy
+    start = start if start is not None else y
     div = div if div is not None else only_user(start)
     if not is_call(div, aten.div.Tensor) or div.args[0] is not start or not isinstance(div.args[1], Node):
         return None
@@ -301,16 +303,27 @@ def match_branch(node: object, group_name: str, reduce_op: str, hidden: int, wit
     return reduce, nodes + [node], bias, copies
 
 
-def match_dynamic_fp8(y: Node, hidden: int) -> tuple[Node, Node, int, list[Node]] | None:
-    """(out, scales, elements per scale, internal nodes) of dynamic fp8 in ``kernels.reference.dynamic_fp8``'s
-    form: ``g = y.float()`` (viewed as groups or not), ``s = clamp(amax(|g|, -1) / 448, min)``,
-    ``out = clamp(g / s, -448, 448).to(fp8)`` (viewed back), ``scales = s.squeeze(-1)``; or None. 240 and
-    float8_e4m3fnuz where that is the device's fp8 (gfx942)."""
+class DynamicFp8(NamedTuple):
+    """A dynamic fp8 quantisation found by :func:`match_dynamic_fp8`."""
+
+    out: Node  # the fp8 output, viewed as the rows
+    scales: Node  # the scales output
+    group: int  # elements a scale
+    pow2: bool  # scales rounded up to powers of two (UE8M0)
+    nodes: list[Node]  # the quantisation's own nodes
+
+
+def match_dynamic_fp8(y: Node, hidden: int) -> DynamicFp8 | None:
+    """Dynamic fp8 in ``kernels.reference.dynamic_fp8``'s form: ``g = y.float()`` (viewed as groups or
+    not), ``s = clamp(amax(|g|, -1) / 448, min)``, optionally rounded up to a power of two as DeepGEMM's
+    UE8M0 scales are made (``2 ** ceil(log2(|s|))``, ``pow`` or ``exp2``), ``out = clamp(g / s, -448,
+    448).to(fp8)`` (viewed back), ``scales = s.squeeze(-1)``; or None. 240 and float8_e4m3fnuz where that
+    is the device's fp8 (gfx942). ``y`` may have users besides the quantisation (the norm's copy)."""
     fmt = fp8_of(y)
     if meta_val(y).dtype == torch.float32:  # the norm's fp32 result, no cast between (_cast_back)
         start, nodes = y, []
     else:
-        start = convert_to(y, torch.float32) if len(y.users) == 1 else None
+        start = convert_to(y, torch.float32)
         if start is None:
             return None
         nodes = [start]
@@ -332,6 +345,7 @@ def match_dynamic_fp8(y: Node, hidden: int) -> tuple[Node, Node, int, list[Node]
     if not (is_call(floor, aten.clamp_min.default, aten.clamp.default) and floor.args[1] == fmt.min_dynamic_scale):
         return None
     nodes += [absolute[0], amax, to_unit, floor]
+    floor, pow2 = _pow2_scales(floor, nodes)
     divs = [u for u in users_of(floor, aten.div.Tensor) if u.args[:2] == (grouped, floor)]
     outs = [u for u in floor.users if u not in divs]
     if len(divs) != 1 or len(outs) != 1 or not is_call(outs[0], *VIEWS):
@@ -347,7 +361,24 @@ def match_dynamic_fp8(y: Node, hidden: int) -> tuple[Node, Node, int, list[Node]
             return None
         nodes.append(out)
         out = back
-    return out, outs[0], group, nodes
+    return DynamicFp8(out, outs[0], group, pow2, nodes)
+
+
+def _pow2_scales(scales: Node, nodes: list[Node]) -> tuple[Node, bool]:
+    """``(2 ** ceil(log2(|scales|)), True)`` where the scales' only reader rounds them so (its nodes added
+    to ``nodes``), else ``(scales, False)``."""
+    chain, cur = [], only_user(scales)
+    if is_call(cur, aten.abs.default):
+        chain.append(cur)
+        cur = only_user(cur)
+    if not is_call(cur, aten.log2.default):
+        return scales, False
+    ceil = only_user(cur)
+    power = only_user(ceil) if is_call(ceil, aten.ceil.default) else None
+    if not (is_call(power, aten.exp2.default) or (is_call(power, aten.pow.Scalar) and power.args[0] == 2.0)):
+        return scales, False
+    nodes += chain + [cur, ceil, power]
+    return power, True
 
 
 def residual_problem(residual: object, add: Node, x: torch.Tensor, hidden: int) -> str | None:

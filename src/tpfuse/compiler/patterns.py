@@ -112,6 +112,8 @@ class Match:
     norm_bias: object = None  # LayerNorm's bias
     scales: Node | None = None  # dynamic fp8: the node of the scales
     scale_group: int = 0  # dynamic fp8: elements per scale
+    ue8m0: bool = False  # dynamic fp8: scales rounded up to powers of two
+    normed: Node | None = None  # a quantised site's norm result, read besides the quantisation
     finalize: Finalize | None = None  # the MoE finalize that makes x, done in the op instead
 
     @property
@@ -251,14 +253,20 @@ class FusionPattern:
             if quant is None:
                 return None
             q_out, m.scale, quant_nodes = quant
-            nodes = nodes + [out] + quant_nodes
-            out = q_out
         elif cls.quant == "dynamic":
             quant = match_dynamic_fp8(out, hidden)
             if quant is None:
                 return None
-            q_out, m.scales, m.scale_group, quant_nodes = quant
-            nodes = nodes + [out] + quant_nodes
+            q_out, m.scales, m.scale_group, m.ue8m0, quant_nodes = quant
+        if cls.quant:
+            # The norm's result read besides its quantisation (a normed row that also feeds something
+            # else): the op writes it too, in the input's dtype (normed_copy).
+            if any(u not in quant_nodes for u in out.users):
+                m.normed = out
+                if meta_val(out).dtype != meta_val(x).dtype:
+                    m.problem = m.problem or ("the norm's result is read besides its quantisation in "
+                                              f"{meta_val(out).dtype}, not the input's dtype")
+            nodes = nodes + ([out] if m.normed is None else []) + quant_nodes
             out = q_out
         m.out = out
         # A norm's fp32 result that fp8 reads directly (matchers._cast_back) is both its out and a node.
@@ -303,12 +311,12 @@ class FusionPattern:
             return "the fp8 scale is not a float32 tensor of one element"
         if meta_val(m.out).dtype != (fp8_of(m.out).dtype if cls.quant else x.dtype):
             return "the norm's result dtype differs from the input's (e.g. an fp32 weight multiplied last)"
-        allowed = set(m.internal) | {m.out, m.h} | ({m.scales} if m.scales is not None else set())
+        allowed = set(m.internal) | {m.out, m.h} | ({m.scales, m.normed} - {None})
         for node in m.internal:
             if any(u not in allowed for u in node.users):
                 what = "the pre-add sum" if node.target in (WAIT,) + VIEWS else "an intermediate value"
                 return f"{what} of the pattern has users outside it"
-        outputs = [m.out, m.h] + m.aliases + ([m.scales] if m.scales is not None else [])
+        outputs = [m.out, m.h] + m.aliases + [n for n in (m.scales, m.normed) if n is not None]
         for node in outputs:
             if any(static_int(s) is None and _size_source(m.all_reduce.graph, s, m) is None
                    for s in meta_val(node).shape):
@@ -347,16 +355,26 @@ class FusionPattern:
             r2 = call(aten.reshape.default, m.residual, [-1, hidden]) if m.residual is not None else None
             steps = {"bias": bias, "sum_weight": m.sum_weight, "layer_norm": cls.layer_norm,
                      "norm_bias": m.norm_bias, **finalize}
-            if cls.quant == "dynamic":
+            if m.normed is not None or m.ue8m0:  # the op with every quantised output
+                op = torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default
+                fused = call(op, x2, r2, m.weight, m.eps, m.group_name, quant_scale=m.scale,
+                             scale_group=m.scale_group, ue8m0_scales=m.ue8m0, normed_copy=m.normed is not None,
+                             **steps)
+                y2, scales, h2, normed = (call(operator.getitem, fused, i) for i in range(4))
+                if m.normed is not None:
+                    m.normed.replace_all_uses_with(call(aten.reshape.default, normed,
+                                                        shape_args(meta_val(m.normed).shape)))
+            elif cls.quant == "dynamic":
                 op = torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default
                 fused = call(op, x2, r2, m.weight, m.eps, m.group_name, scale_group=m.scale_group, **steps)
                 y2, scales, h2 = (call(operator.getitem, fused, i) for i in range(3))
-                scales = call(aten.reshape.default, scales, shape_args(meta_val(m.scales).shape))
-                m.scales.replace_all_uses_with(scales)
             else:
                 op = torch.ops.tpfuse.allreduce_add_rmsnorm.default
                 fused = call(op, x2, r2, m.weight, m.eps, m.group_name, quant_scale=m.scale, **steps)
                 y2, h2 = call(operator.getitem, fused, 0), call(operator.getitem, fused, 1)
+            if m.scales is not None:
+                m.scales.replace_all_uses_with(call(aten.reshape.default, scales,
+                                                    shape_args(meta_val(m.scales).shape)))
             y = call(aten.reshape.default, y2, shape_args(meta_val(m.out).shape))
             h = call(aten.reshape.default, h2, shape_args(meta_val(m.h).shape))
             for alias in m.aliases:  # views of the sum that others read: the same rows of h
@@ -365,7 +383,7 @@ class FusionPattern:
         m.out.replace_all_uses_with(y)
         m.h.replace_all_uses_with(h)
         order = {node: i for i, node in enumerate(graph.nodes)}
-        gone = set(m.internal) | set(m.aliases) | {m.h, m.out} | ({m.scales} - {None})
+        gone = set(m.internal) | set(m.aliases) | {m.h, m.out} | ({m.scales, m.normed} - {None})
         gone |= set(m.finalize.nodes) if m.finalize is not None else set()
         for node in sorted(gone, key=order.__getitem__, reverse=True):
             if not node.users:
