@@ -16,7 +16,7 @@ from torch import nn
 from tpfuse.compiler import PATTERNS, FusionPass
 from tpfuse.compiler.patterns import combinations, pattern_name
 from tpfuse.kernels.reference import dynamic_fp8
-from tpfuse.kernels.vendor import fp8_format
+from tpfuse.kernels.targets import fp8_format
 from tpfuse.models.llama import HFRMSNorm
 
 HIDDEN, TOKENS = 64, 6

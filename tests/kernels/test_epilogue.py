@@ -96,7 +96,7 @@ def test_the_kernels_take_the_block_end_as_two_values():
     a call writes."""
     import dataclasses
 
-    from tpfuse.kernels.epilogue import Epilogue, StepTensors, Switches
+    from tpfuse.kernels.block_end import Epilogue, StepTensors, Switches
     from tpfuse.kernels.local import _local_add_rmsnorm_kernel
     from tpfuse.kernels.oneshot import _oneshot_allreduce_add_rmsnorm_kernel
     from tpfuse.kernels.twoshot import _twoshot_allreduce_add_rmsnorm_kernel
@@ -123,10 +123,10 @@ def test_a_calls_addresses_are_its_kernel_tensors_pointers(case):
     """A kept launch passes ``kernel_addresses`` to the compiled launcher where the JIT took
     ``kernel_tensors``: the same pointers in the same order and nesting (the steps' as one tuple, last),
     each absent step the stand-in."""
-    from tpfuse.kernels.epilogue import StepTensors
+    from tpfuse.kernels.block_end import StepTensors
     from tpfuse.kernels.oneshot import _oneshot_allreduce_add_rmsnorm_kernel
 
-    from tpfuse.kernels.epilogue import PLAIN
+    from tpfuse.kernels.block_end import PLAIN
 
     call = case.fused_call(case.inputs(1, torch.device("cpu")), 0)
     if not call.epilogue.fp8_output and call.epilogue.plain:

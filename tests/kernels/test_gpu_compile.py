@@ -94,7 +94,7 @@ def compile_shape(name: str, world: int, dtype: str, constexprs: dict, target, u
     constexprs = dict(constexprs)
     asked = constexprs.pop("num_warps", 16)
     step_types = {**STEP_POINTERS, **constexprs.pop("STEP_TYPES", {})}
-    from tpfuse.kernels.epilogue import StepTensors, Switches
+    from tpfuse.kernels.block_end import StepTensors, Switches
 
     switches = dict(PLAIN)
     for name in Switches._fields:

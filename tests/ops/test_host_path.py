@@ -134,3 +134,28 @@ def test_a_kept_launch_follows_each_pointers_alignment(one_rank_group):
         assert y.data_ptr() == args["out"].data_ptr()
         torch.testing.assert_close(h.double(), h_ref, rtol=1e-2, atol=1e-2, msg=f"h, misaligned: {moved!r}")
         torch.testing.assert_close(y.double(), y_ref, rtol=2e-2, atol=2e-2, msg=f"y, misaligned: {moved!r}")
+
+
+def test_a_graphs_call_of_the_common_block_end_takes_its_own_path(one_rank_group, monkeypatch):
+    """A compiled graph calls the op with every block-end keyword spelled out at its default: the call is
+    still the common one (``epilogue.PLAIN`` itself: its checks, launch tensors and kept plans), as an
+    eager call's is; one step that differs makes it a block end of its own."""
+    import importlib
+
+    from tpfuse.kernels.block_end import PLAIN, Epilogue
+
+    op_module = importlib.import_module("tpfuse.ops.allreduce_add_rmsnorm")
+
+    seen = []
+    monkeypatch.setattr(op_module, "_run", lambda call, group_name: seen.append(call.epilogue))
+    x, weight = torch.randn(2, 64).bfloat16(), torch.ones(64, dtype=torch.bfloat16)
+    every_default = dict(quant_scale=None, bias=None, sum_weight=None, layer_norm=False, norm_bias=None,
+                         scale_group=0, normed=True, experts=0, topk_weights=None, shared_expert=None,
+                         normed_copy=False, ue8m0_scales=False, scale_layout=0, fp4=0, global_scale=None)
+    group_name = dist.group.WORLD.group_name
+    torch.ops.tpfuse.allreduce_add_rmsnorm(x, None, weight, 1e-6, group_name, **every_default)
+    torch.ops.tpfuse.allreduce_add_rmsnorm(x, None, weight, 1e-6, group_name)
+    torch.ops.tpfuse.allreduce_add_rmsnorm(x, None, weight, 1e-6, group_name, **{**every_default, "layer_norm": True})
+    assert seen[0] is PLAIN and seen[1] is PLAIN
+    assert seen[2] is not PLAIN and seen[2].layer_norm and Epilogue.of({"layer_norm": True}).kwargs() == {
+        "layer_norm": True}

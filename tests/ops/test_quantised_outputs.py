@@ -78,7 +78,7 @@ def test_quantised_outputs_without_a_communicator(rank_pool, world_size):
 def test_padding_is_zero_and_layouts_are_what_gemms_read():
     """The op's scale tensors: DeepGEMM's column-major (T padded to 4) and packed words, NVFP4's tiles
     with zero padding, fp4 codes two a byte (checked by encoding known values)."""
-    from tpfuse.kernels.epilogue import FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0, Epilogue
+    from tpfuse.kernels.block_end import FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0, Epilogue
 
     columns = formats.empty_scales(Epilogue(scale_group=128, scale_layout=SCALES_COLUMNS), 5, 1024, "cpu")
     assert columns.shape == (5, 8) and columns.stride() == (1, 8) and columns.dtype == torch.float32

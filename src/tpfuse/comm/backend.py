@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.epilogue import Epilogue
+from tpfuse.kernels.block_end import Epilogue
 
 
 class FusedBackend(abc.ABC):

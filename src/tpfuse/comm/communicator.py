@@ -18,7 +18,7 @@ from tpfuse.comm import agreement, topology
 from tpfuse.comm.backend import FusedBackend
 from tpfuse.kernels import kernels_usable
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.epilogue import PLAIN, Epilogue
+from tpfuse.kernels.block_end import PLAIN, Epilogue
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from tpfuse.comm.backend import FusedBackend
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.epilogue import Epilogue
+from tpfuse.kernels.block_end import Epilogue
 from tpfuse.select import ONESHOT
 
 

@@ -16,7 +16,7 @@ import torch
 from torch.fx import Node
 
 from tpfuse.compiler.sizes import element_count, static_int
-from tpfuse.kernels.vendor import Fp8Format, fp8_format
+from tpfuse.kernels.targets import Fp8Format, fp8_format
 
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -41,7 +41,7 @@ def meta_val(node: Node):
 
 
 def fp8_of(node: Node) -> Fp8Format:
-    """The fp8 format of the device ``node``'s value is on (``vendor.fp8_format``): what the fused op
+    """The fp8 format of the device ``node``'s value is on (``targets.fp8_format``): what the fused op
     outputs there, so what a model's quantisation must convert to (float8_e4m3fnuz, +-240, on gfx942)."""
     val = meta_val(node)
     return fp8_format(val.device if isinstance(val, torch.Tensor) else None)

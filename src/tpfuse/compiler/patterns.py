@@ -67,7 +67,7 @@ from tpfuse.compiler.matchers import (
 )
 from tpfuse.compiler.sizes import element_count, size_expr, static_int, token_count
 from tpfuse.kernels.reference import dynamic_fp8
-from tpfuse.kernels.vendor import fp8_format
+from tpfuse.kernels.targets import fp8_format
 
 
 def site_problem(reduce_op: str, hidden: int, dtype: torch.dtype) -> str | None:
@@ -420,7 +420,7 @@ class FusionPattern:
         else:
             y = _example_rmsnorm(h, inputs["weight"], eps, gemma=cls.sum_norm)
         if cls.quant == "static":
-            fmt = fp8_format(y.device)  # the device's fp8, as the op gives it (vendor.fp8_format)
+            fmt = fp8_format(y.device)  # the device's fp8, as the op gives it (targets.fp8_format)
             y = (y.float() / inputs["scale"]).clamp(-fmt.max, fmt.max).to(fmt.dtype)
         elif cls.quant == "dynamic":
             y, scales = dynamic_fp8(y, inputs["scale_group"])
@@ -535,7 +535,7 @@ def combinations() -> list[dict]:
     """Every combination of steps the fused op runs, as a pattern's class attributes.
 
     The kernels run any subset of bias, post-norm, residual, RMSNorm or LayerNorm, and no, static or
-    dynamic fp8 (``kernels.epilogue``); the all-reduced input may be multiplied by a number or be the
+    dynamic fp8 (``kernels.block_end``); the all-reduced input may be multiplied by a number or be the
     sum of two all-reduces, which the replacement folds into x before the one all-reduce. A number
     times a sum of two branches is left out: no model writes it, and ``search`` finds the number on
     the first branch only.

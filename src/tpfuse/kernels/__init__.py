@@ -7,7 +7,6 @@ compiled or in its CPU interpreter (``TRITON_INTERPRET=1``), so the choice must 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 
 import torch
@@ -15,7 +14,12 @@ import torch
 
 @functools.cache
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """Whether Triton imports here (the core of tpfuse, its reference path and checks, needs none)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # Read once, at import, as Triton reads it: a process runs its kernels compiled or interpreted throughout.
@@ -28,11 +32,11 @@ def interpreter_enabled() -> bool:
 
 def kernels_usable(device: torch.device) -> bool:
     """Whether the Triton kernels can run on ``device``: a CUDA GPU, or the CPU interpreter."""
-    if not triton_installed():
-        return False
     if device.type == "cuda":
-        return not interpreter_enabled()
-    return device.type == "cpu" and interpreter_enabled()
+        usable = not interpreter_enabled()
+    else:
+        usable = device.type == "cpu" and interpreter_enabled()
+    return usable and triton_installed()
 
 
 if interpreter_enabled() and triton_installed():  # CPU runs of any kernel get the GPU's semantics

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from tpfuse.kernels import formats
-from tpfuse.kernels.epilogue import PLAIN, Epilogue, StepTensors
+from tpfuse.kernels.block_end import PLAIN, Epilogue, StepTensors
 
 _STEPS = len(StepTensors._fields)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tpfuse.kernels.epilogue import (FP4_GROUP, FP4_MXFP4, FP4_NONE, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0,
+from tpfuse.kernels.block_end import (FP4_GROUP, FP4_MXFP4, FP4_NONE, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0,
                                      SCALES_ROWS, Epilogue)
 
 #: The e2m1 values by code (bit 3 the sign).

@@ -1,6 +1,6 @@
 """float32 <-> fp8 e4m3 codes: the GPU's own conversions, and the same in integer arithmetic.
 
-The fp8 format of the fused op's outputs depends on the GPU (``vendor.Fp8Format``): float8_e4m3fn
+The fp8 format of the fused op's outputs depends on the GPU (``targets.Fp8Format``): float8_e4m3fn
 (largest 448) on NVIDIA and gfx950, float8_e4m3fnuz (largest 240, exponent bias 8, no negative zero,
 one NaN code 0x80) on gfx942. :func:`to_fp8_bits` and :func:`from_fp8_bits` convert to and from the
 format of the architecture a kernel is compiled for (``vendor.fp8_fnuz``).
@@ -18,7 +18,8 @@ import os
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.vendor import E4M3FN, E4M3FNUZ, Fp8Format, fp8_fnuz
+from tpfuse.kernels.targets import E4M3FN, E4M3FNUZ, Fp8Format
+from tpfuse.kernels.vendor import fp8_fnuz
 
 # Decided at import, as Triton decides between compiling and interpreting.
 _GPU = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")

@@ -12,7 +12,7 @@ instead, whose typed loop moves whole aligned words. Other accesses keep Triton'
 The kernels bound every wait with the GPU's timer (``vendor.now``, inline assembly: NVIDIA's
 ``%globaltimer`` in nanoseconds, AMD's ``s_memrealtime`` at the device's wall-clock rate), which the
 interpreter cannot run; here either reads the host's monotonic clock instead, at the rate the host
-side expects (``vendor.cpu_timer_ticks``), so the bound holds in wall time on the CPU too.
+side expects (``targets.cpu_timer_ticks``), so the bound holds in wall time on the CPU too.
 
 And the interpreter truncates float32 -> bfloat16 (1.99 becomes 1.984375 where a GPU gives 1.9921875):
 here it rounds to nearest even, as GPUs do, so CPU results are the GPU's to the bit (the fp8 wire's
@@ -114,14 +114,14 @@ def install() -> None:
     def create_inline_asm(self, asm, constraints, values, type, is_pure, pack):
         import triton.language as tl
 
-        from tpfuse.kernels import vendor
+        from tpfuse.kernels import targets, vendor
 
         if asm == vendor.OPAQUE_ZERO.value:  # the polls' zero that the compiler cannot know
             return _AsmCall(interpreter.TensorHandle(np.zeros(1, np.int32), tl.int32))
         if "%globaltimer" not in asm and "s_memrealtime" not in asm:
             return triton_inline_asm(self, asm, constraints, values, type, is_pure, pack)
-        # The interpreted arch's timer, as the host computed the deadline (vendor.cpu_timer_ticks).
-        hz = vendor.NVIDIA_TIMER_HZ if "%globaltimer" in asm else vendor.INTERPRETED_AMD_TIMER_HZ
+        # The interpreted arch's timer, as the host computed the deadline (targets.cpu_timer_ticks).
+        hz = targets.NVIDIA_TIMER_HZ if "%globaltimer" in asm else targets.INTERPRETED_AMD_TIMER_HZ
         ticks = time.monotonic_ns() * hz // 1_000_000_000
         return _AsmCall(interpreter.TensorHandle(np.array([ticks], np.int64), tl.int64))
 

@@ -34,7 +34,7 @@ STATE_LEN = STATE_ERROR_SEEN + DESC_WORDS
 
 #: Bits of a descriptor's flags word.
 FLAG_BF16, FLAG_FP16, FLAG_RESIDUAL, FLAG_QUANT, FLAG_TWOSHOT = 1, 2, 4, 8, 16
-#: Epilogue bits (``kernels.epilogue.Epilogue.flags``).
+#: Epilogue bits (``kernels.block_end.Epilogue.flags``).
 FLAG_BIAS, FLAG_SUM_NORM, FLAG_LAYER_NORM, FLAG_NORM_BIAS = 32, 64, 128, 256
 FLAG_DYNAMIC_TOKEN, FLAG_DYNAMIC_GROUP = 512, 1024
 #: The two-shot's fp8 wire (``kernels.wire``).

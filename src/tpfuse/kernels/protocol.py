@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels import layout, vendor
+from tpfuse.kernels import layout, targets
 from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.epilogue import _moe_partial
 from tpfuse.kernels.layout import LaunchContext
@@ -44,8 +44,8 @@ def launch_config(hidden: int, device: torch.device, pdl: bool = True,
     """(BLOCK_H, num_warps, use_pdl) for rows of ``hidden`` on ``device``: 8 elements a thread, at most
     ``max_warps`` warps and never more than 1024 threads (AMD's wavefronts are 64 threads: half the
     warps); PDL (programmatic dependent launch) when asked for and the GPU has it (NVIDIA Hopper and
-    newer: ``vendor.Target.has_pdl``)."""
-    target = vendor.target(device)
+    newer: ``targets.Target.has_pdl``)."""
+    target = targets.target(device)
     block_h = triton.next_power_of_2(hidden)
     num_warps = max(1, min(max_warps, target.max_warps, block_h // (_ELEMENTS_A_THREAD * target.warp_size)))
     return block_h, num_warps, pdl and target.has_pdl
@@ -70,14 +70,14 @@ def call_scalars(ctx: LaunchContext, call: FusedCall) -> tuple:
     if device.type == "cuda":
         wait = _gpu_wait_ticks(ctx.wait_limit_ns, device.index)
     else:
-        wait = vendor.cpu_timer_ticks() + vendor.wait_ticks(device, ctx.wait_limit_ns / 1e9)
+        wait = targets.cpu_timer_ticks() + targets.wait_ticks(device, ctx.wait_limit_ns / 1e9)
     return (n_tokens, hidden, ctx.workspace.region_elems, call.eps, wait)
 
 
 @functools.lru_cache(maxsize=64)
 def _gpu_wait_ticks(wait_limit_ns: int, index: int) -> int:
     """``wait_limit_ns`` in ticks of GPU ``index``'s timer: decided once, not on every call."""
-    return vendor.wait_ticks(torch.device("cuda", index), wait_limit_ns / 1e9)
+    return targets.wait_ticks(torch.device("cuda", index), wait_limit_ns / 1e9)
 
 
 def call_constexprs(ctx: LaunchContext, call: FusedCall, twoshot: bool, wire: bool = False) -> dict:

@@ -1,6 +1,6 @@
 """Pure-torch reference of the fused op: the reference backend's math and the kernels' oracle.
 
-The steps are those of ``kernels/epilogue.py``: a MoE finalize, sum, + bias, post-norm, + residual,
+The steps are those of ``kernels/block_end.py``: a MoE finalize, sum, + bias, post-norm, + residual,
 RMSNorm or LayerNorm, fp8 with a static or dynamic scale, NVFP4 or MXFP4 (``kernels.formats``).
 """
 
@@ -11,8 +11,8 @@ import dataclasses
 import torch
 
 from tpfuse.kernels import formats
-from tpfuse.kernels.epilogue import FP4_MXFP4, FP4_NONE, FP4_NVFP4, PLAIN, SCALES_ROWS, Epilogue
-from tpfuse.kernels.vendor import Fp8Format, fp8_format
+from tpfuse.kernels.block_end import FP4_MXFP4, FP4_NONE, FP4_NVFP4, PLAIN, SCALES_ROWS, Epilogue
+from tpfuse.kernels.targets import Fp8Format, fp8_format
 
 __all__ = ["add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64", "rank_part", "unquantised"]
 
@@ -65,7 +65,7 @@ def _epilogue(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
 
 def dynamic_fp8(y: torch.Tensor, group: int, fmt: Fp8Format | None = None,
                 pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``y`` [..., H] as fp8 of ``fmt`` (default: ``y``'s device's, ``vendor.fp8_format``) with one scale
+    """``y`` [..., H] as fp8 of ``fmt`` (default: ``y``'s device's, ``targets.fp8_format``) with one scale
     per ``group`` elements of a row (a group of H: one scale a token), and the scales [..., H // group]
     (float32): ``scale = max(amax / fp8_max, fmt.min_dynamic_scale)``, ``q = clamp(y / scale, -fp8_max,
     fp8_max)`` with fp8_max 448 (e4m3fn) or 240 (e4m3fnuz); ``pow2``: each scale rounded up to a power of
@@ -91,7 +91,7 @@ def add_rmsnorm_reference(
     """The block end of an already all-reduced ``reduced`` [T, H], in fp32.
 
     Returns ``(y, h, scales)``: ``h`` in ``out_dtype`` (default ``reduced.dtype``), ``y`` in that dtype
-    or the device's fp8 (``vendor.fp8_format``: float8_e4m3fn, float8_e4m3fnuz on gfx942) when the
+    or the device's fp8 (``targets.fp8_format``: float8_e4m3fn, float8_e4m3fnuz on gfx942) when the
     block end quantises (dynamic fp8: then ``scales``, else None). ``y`` is
     computed from the fp32 ``h``, as the one-shot kernel does (the two-shot computes it from the
     rounded ``h`` that travels).
@@ -132,7 +132,7 @@ def fused_reference_float64(
     float64; ``epilogue``'s finalize tensors are not read): the oracle tests compare against.
 
     Returns float64 ``(y, h)``; with a static scale ``y`` is divided by it and clamped to the largest
-    value of ``fmt`` (default: the fp8 format of ``xs``' device, ``vendor.fp8_format``), but not
+    value of ``fmt`` (default: the fp8 format of ``xs``' device, ``targets.fp8_format``), but not
     rounded to fp8; a dynamic fp8 block end does not change ``y`` (compare ``q * scales`` with it).
     """
     y, h = _epilogue(torch.stack([x.double() for x in xs]).sum(0), residual, weight, eps, epilogue)

@@ -30,7 +30,6 @@ pushed before its first wait.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

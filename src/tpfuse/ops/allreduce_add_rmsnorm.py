@@ -1,6 +1,6 @@
 """All-reduce + residual add + RMSNorm (+ fp8) as ``torch.library`` ops, with the optional steps real
 models put around them: a bias after the all-reduce, Gemma's post-norm before the residual add,
-LayerNorm instead of RMSNorm, fp8 output with a static or dynamic scale (``kernels.epilogue.Epilogue``,
+LayerNorm instead of RMSNorm, fp8 output with a static or dynamic scale (``kernels.block_end.Epilogue``,
 whose fields are the ops' keyword-only arguments, declared there once).
 
 Three ops share one implementation: ``tpfuse::allreduce_add_rmsnorm`` (functional, what graphs and
@@ -29,13 +29,13 @@ import torch.distributed as dist
 from tpfuse import _stats
 from tpfuse.comm import agreement
 from tpfuse.comm.communicator import default_wait_timeout_s, group_device, lookup_communicator, resolve_group
-from tpfuse.kernels import epilogue as block_end
+from tpfuse.kernels import block_end
 from tpfuse.kernels import kernels_usable
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.epilogue import Epilogue
+from tpfuse.kernels.block_end import Epilogue
 from tpfuse.kernels import formats
 from tpfuse.kernels.reference import add_rmsnorm_reference, rank_part, unquantised
-from tpfuse.kernels.vendor import fp8_format
+from tpfuse.kernels.targets import fp8_format
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -405,7 +405,7 @@ SUM_ONLY = Epilogue(normed=False)
 
 
 def _functional(x, residual, weight, eps, group_name, **steps):
-    steps = Epilogue(**steps)
+    steps = Epilogue.of(steps)
     check_inputs(x, residual, weight, eps, steps)
     y, h = _outputs(x, steps)
     _run(FusedCall(x, residual, weight, eps, y, h, steps), group_name)
@@ -413,13 +413,13 @@ def _functional(x, residual, weight, eps, group_name, **steps):
 
 
 def _out(x, residual, weight, eps, group_name, y, h, **steps):
-    steps = Epilogue(**steps)
+    steps = Epilogue.of(steps)
     check_inputs(x, residual, weight, eps, steps, y, h)
     _run(FusedCall(x, residual, weight, eps, y, h, steps), group_name)
 
 
 def _dynamic_fp8(x, residual, weight, eps, group_name, **steps):
-    steps = Epilogue(**steps)
+    steps = Epilogue.of(steps)
     check_inputs(x, residual, weight, eps, steps)
     if steps.scale_group <= 0 or steps.fp4 != block_end.FP4_NONE or steps.normed_copy:
         raise ValueError(f"scale_group must be a positive int (elements per scale), got {steps.scale_group}; "
@@ -430,7 +430,7 @@ def _dynamic_fp8(x, residual, weight, eps, group_name, **steps):
 
 
 def _quant(x, residual, weight, eps, group_name, **steps):
-    steps = Epilogue(**steps)
+    steps = Epilogue.of(steps)
     check_inputs(x, residual, weight, eps, steps)
     if not steps.quantised:
         raise ValueError("allreduce_add_rmsnorm_quant quantises y: pass quant_scale, scale_group or fp4")
@@ -452,7 +452,7 @@ def _all_reduce_fake(x, group_name):
 
 
 def _functional_fake(x, residual, weight, eps, group_name, **steps):
-    return _outputs(x, Epilogue(**steps))
+    return _outputs(x, Epilogue.of(steps))
 
 
 def _out_fake(x, residual, weight, eps, group_name, y, h, **steps):
@@ -460,11 +460,11 @@ def _out_fake(x, residual, weight, eps, group_name, y, h, **steps):
 
 
 def _dynamic_fp8_fake(x, residual, weight, eps, group_name, **steps):
-    return _quantised_outputs(x, Epilogue(**steps))[:3]
+    return _quantised_outputs(x, Epilogue.of(steps))[:3]
 
 
 def _quant_fake(x, residual, weight, eps, group_name, **steps):
-    return _quantised_outputs(x, Epilogue(**steps))
+    return _quantised_outputs(x, Epilogue.of(steps))
 
 
 for _name, _impl, _fake in (("allreduce_add_rmsnorm", _functional, _functional_fake),
@@ -481,12 +481,6 @@ def _through_the_op(x: torch.Tensor) -> bool:
     subclasses (fake, functional, DTensor) and under dispatch modes; plain eager calls run directly."""
     return (type(x) is not torch.Tensor or torch.compiler.is_compiling()
             or torch._C._len_torch_dispatch_stack() > 0)
-
-
-def _step_kwargs(steps: Epilogue) -> dict:
-    """The steps that differ from their defaults, as the ops' keyword arguments."""
-    return {name: value for name, default in block_end.step_defaults()
-            if (value := getattr(steps, name)) is not default and not (type(value) is type(default) and value == default)}
 
 
 def allreduce_add_rmsnorm(
@@ -566,14 +560,14 @@ def allreduce_add_rmsnorm(
     if out is None and residual_out is None:
         if _through_the_op(x):
             return torch.ops.tpfuse.allreduce_add_rmsnorm(x, residual, weight, eps, group_name,
-                                                          **_step_kwargs(steps))
+                                                          **steps.kwargs())
         y, h = _outputs(x, steps)
     else:
         y = out if out is not None else _empty_y(x, steps)
         h = residual_out if residual_out is not None else _empty_rows(x)
         if _through_the_op(x):
             torch.ops.tpfuse.allreduce_add_rmsnorm_out(x, residual, weight, eps, group_name, y, h,
-                                                       **_step_kwargs(steps))
+                                                       **steps.kwargs())
             return y, h
     _run(FusedCall(x, residual, weight, eps, y, h, steps), group_name)
     return y, h
@@ -616,7 +610,7 @@ def allreduce_add_rmsnorm_dynamic_fp8(
     group_name = _group_name(group)
     if _through_the_op(x):
         return torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8(x, residual, weight, eps, group_name,
-                                                                  **_step_kwargs(steps))
+                                                                  **steps.kwargs())
     y, scales, h, _ = _quantised_outputs(x, steps)
     _run(FusedCall(x, residual, weight, eps, y, h, steps, scales), group_name)
     return y, scales, h
@@ -716,9 +710,9 @@ def allreduce_add_rmsnorm_quant(
     group_name = _group_name(group)
     if _through_the_op(x):
         y, scales, h, normed = torch.ops.tpfuse.allreduce_add_rmsnorm_quant(x, residual, weight, eps, group_name,
-                                                                           **_step_kwargs(steps))
+                                                                           **steps.kwargs())
     else:
-        y, scales, h, normed = _quant(x, residual, weight, eps, group_name, **_step_kwargs(steps))
+        y, scales, h, normed = _quant(x, residual, weight, eps, group_name, **steps.kwargs())
     return QuantizedOutputs(y, scales if scales.shape[-1] else None, h, normed if normed_copy else None)
 
 

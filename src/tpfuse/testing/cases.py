@@ -12,9 +12,9 @@ import torch
 
 from tpfuse.kernels import formats
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.epilogue import FP4_MXFP4, FP4_NONE, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0, SCALES_ROWS, Epilogue
+from tpfuse.kernels.block_end import FP4_MXFP4, FP4_NONE, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0, SCALES_ROWS, Epilogue
 from tpfuse.kernels.reference import fused_reference_float64, rank_part, unquantised
-from tpfuse.kernels.vendor import E4M3FN, E4M3FNUZ, fp8_format
+from tpfuse.kernels.targets import E4M3FN, E4M3FNUZ, fp8_format
 
 # (atol, rtol) of y and h against float64, by the dtype y is stored in.
 TOLERANCE = {
@@ -46,7 +46,7 @@ class Case:
     # are nearly always exact in fp32 whatever the order, so no test could see the order. Needs 3+
     # ranks (two terms add the same either way); ignored below that.
     cancelling: bool = False
-    # The epilogue's optional steps (kernels/epilogue.py): a bias after the sum, Gemma's post-norm,
+    # The block end's optional steps (kernels/block_end.py): a bias after the sum, Gemma's post-norm,
     # LayerNorm (with its bias), dynamic fp8 with a scale per ``scale_group`` elements.
     bias: bool = False
     sum_norm: bool = False
