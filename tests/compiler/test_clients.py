@@ -399,10 +399,5 @@ def _gpt_fast_model(rank, world_size):
 
 
 def test_gpt_fast_hooks(rank_pool):
-    for runs, compiles, reports in rank_pool(2).run(_gpt_fast_model, timeout=900):
-        assert compiles == {"fused": 1, "plain": 1}, compiles  # batch 1 is static, seq dynamic
-        assert len(reports) == 1 and len(reports[0]) == 4, reports
-        assert all(": fused (" in s for s in reports[0]), reports
-        for (_, seq), diff, calls in runs:
-            assert calls == (4 if seq <= LIMIT else 0), (seq, calls)
-            assert diff < 2e-2, (seq, diff)
+    # Batch 1 is static, seq dynamic: one graph per range all the same.
+    _assert_fused(rank_pool(2).run(_gpt_fast_model, timeout=900), sites=4)
