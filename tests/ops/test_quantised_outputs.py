@@ -51,7 +51,8 @@ def _check(world_size, results):
         check_results(case, world_size, [res["outputs"][i] for res in results])
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+# 3 ranks: the extended lane (CI's 10 minutes).
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.extended)])
 @pytest.mark.parametrize("algorithm, oneshot_max", [("oneshot", 4096), ("twoshot", 0)])
 def test_quantised_outputs_match_float64_on_every_rank(rank_pool, world_size, algorithm, oneshot_max):
     results = rank_pool(world_size).run(_quantised_cases, oneshot_max, True)
