@@ -9,7 +9,6 @@ import cProfile
 import pstats
 
 import torch
-import torch.distributed as dist
 
 import tpfuse
 from tpfuse.bench.host import _process_group, host_us
@@ -50,9 +49,9 @@ def main():
         addresses = call.kernel_addresses()
         stream = torch.cuda.current_stream().cuda_stream
         values = (call.hidden, call.eps)
-        from tpfuse.comm.communicator import lookup_communicator
         from tpfuse.kernels.call import FusedCall
-        from tpfuse.ops.allreduce_add_rmsnorm import _group_name, _through_the_op
+        from tpfuse.ops.allreduce_add_rmsnorm import _through_the_op
+        from tpfuse.ops.route import group_name_of, route_of
 
         parts = {
             "op, world size 1": op,
@@ -62,8 +61,8 @@ def main():
                 *tensors, call.hidden, call.eps, **plan.constexprs, **plan.options),
             "check_inputs": lambda: check_inputs(x, r, w, 1e-6),
             "two torch.empty_like": lambda: (torch.empty_like(x), torch.empty_like(x)),
-            "_group_name + _through_the_op + lookup_communicator": lambda: (
-                _through_the_op(x), lookup_communicator(_group_name(None))),
+            "group_name_of + _through_the_op + route_of": lambda: (
+                _through_the_op(x), route_of(group_name_of(None))),
             "FusedCall + kernel_key + kernel_tensors": lambda: (
                 lambda c: (c.kernel_key(), c.kernel_tensors()))(FusedCall(x, r, w, 1e-6, call.y, call.h)),
             "torch add + rms_norm": lambda: torch.nn.functional.rms_norm(x + r, (x.shape[-1],), w, 1e-6),

@@ -140,14 +140,11 @@ def test_a_graphs_call_of_the_common_block_end_takes_its_own_path(one_rank_group
     """A compiled graph calls the op with every block-end keyword spelled out at its default: the call is
     still the common one (``epilogue.PLAIN`` itself: its checks, launch tensors and kept plans), as an
     eager call's is; one step that differs makes it a block end of its own."""
-    import importlib
-
     from tpfuse.kernels.block_end import PLAIN, Epilogue
-
-    op_module = importlib.import_module("tpfuse.ops.allreduce_add_rmsnorm")
+    from tpfuse.ops.route import Route
 
     seen = []
-    monkeypatch.setattr(op_module, "_run", lambda call, group_name: seen.append(call.epilogue))
+    monkeypatch.setattr(Route, "run", lambda self, call: seen.append(call.epilogue))
     x, weight = torch.randn(2, 64).bfloat16(), torch.ones(64, dtype=torch.bfloat16)
     every_default = dict(quant_scale=None, bias=None, sum_weight=None, layer_norm=False, norm_bias=None,
                          scale_group=0, normed=True, experts=0, topk_weights=None, shared_expert=None,
@@ -159,3 +156,23 @@ def test_a_graphs_call_of_the_common_block_end_takes_its_own_path(one_rank_group
     assert seen[0] is PLAIN and seen[1] is PLAIN
     assert seen[2] is not PLAIN and seen[2].layer_norm and Epilogue.of({"layer_norm": True}).kwargs() == {
         "layer_norm": True}
+
+
+def test_a_groups_route_is_kept_until_its_communicator_changes(one_rank_group):
+    """One route a group (``ops.route``): the same object call after call, made again once a communicator
+    is created or destroyed; the plan of a group of one rank is the local kernel where the kernels run."""
+    from tpfuse import select
+    from tpfuse.ops.route import group_name_of, route_of
+
+    name = group_name_of(None)
+    first = route_of(name)
+    assert route_of(name) is first and first.comm is None and first.world_size == 1
+    comm = tpfuse.get_communicator(max_tokens=4, hidden=64)
+    with_comm = route_of(name)
+    assert with_comm is not first and with_comm.comm is comm and route_of(name) is with_comm
+    case = Case(2, 64)
+    call = case.fused_call(case.inputs(1), 0)
+    assert with_comm.plan(call).route == (select.LOCAL if os.environ.get("TRITON_INTERPRET") == "1"
+                                          else select.REFERENCE)
+    comm.destroy()
+    assert route_of(name).comm is None

@@ -166,7 +166,7 @@ def _loopback_rows(tokens: int, hidden: int, device) -> list[dict]:
         for algorithm, launcher in launchers.items():
             oneshot_max = tokens if algorithm == select.ONESHOT else 0
             with forced_table(world, device, oneshot_max, hiddens=(hidden,)):
-                planned = comm.plan(call).algorithm
+                planned = comm.plan(call).route
                 if planned != algorithm:
                     raise RuntimeError(f"tpfuse: the loopback op would run {planned}, not {algorithm}")
                 peer = on_stream(1, lambda launcher=launcher: launcher(contexts[1], calls[1]))

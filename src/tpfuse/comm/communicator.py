@@ -44,23 +44,20 @@ def _capturing(device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class CallPlan:
-    """How a call runs (:meth:`Communicator.plan`).
+    """How a call runs (:meth:`Communicator.plan`, ``tpfuse.ops.route.Route.plan``).
 
     Attributes
     ----------
-    algorithm : str
-        ``select.ONESHOT`` or ``select.TWOSHOT``: one fused call; ``select.REFERENCE``: the group's own
-        all-reduce and the torch block end, unless ``chunk_rows`` is set.
+    route : str
+        One of ``select.ROUTES``: ``ONESHOT`` or ``TWOSHOT``, one fused call of that kernel; ``CHUNKED``,
+        fused calls of ``chunk_rows`` rows each (each planned as a call of its own); ``REFERENCE``, the
+        group's own all-reduce and the torch block end; ``LOCAL``, the block end alone (one rank).
     chunk_rows : int
-        > 0: the call runs as fused calls of this many rows each (each planned as a call of its own).
+        The rows of a ``CHUNKED`` call's parts.
     """
 
-    algorithm: str
+    route: str
     chunk_rows: int = 0
-
-    @property
-    def fused(self) -> bool:
-        return self.algorithm != select.REFERENCE or self.chunk_rows > 0
 
 _registry_lock = threading.RLock()
 
@@ -263,18 +260,17 @@ class Communicator:
             return CallPlan(algorithm)
         limit = self.max_token_num(hidden, dtype)
         if 0 < limit < call.n_tokens and self.fused_backend.takes(limit, call.epilogue):
-            return CallPlan(select.REFERENCE, chunk_rows=limit)
+            return CallPlan(select.CHUNKED, chunk_rows=limit)
         return CallPlan(algorithm)
 
-    def run_fused(self, call: FusedCall, plan: CallPlan) -> str:
-        """Run a call with the fused kernel ``plan`` (:meth:`plan`'s for it) names; return its stats label
-        (``"<backend>.<algorithm>"``).
+    def run_fused(self, call: FusedCall, algorithm: str) -> str:
+        """Run a call with the fused kernel ``algorithm`` (``select.ONESHOT`` or ``TWOSHOT``, as :meth:`plan`
+        says); return its stats label (``"<backend>.<algorithm>"``).
 
         One thread at a time: a call made while another thread's call of this communicator is running
         raises. Serialising them would not do: each rank would pair its calls with the peers' in
         whatever order its threads happened to run, and mismatched calls give garbage or time out.
         """
-        algorithm = plan.algorithm
         if not self._captured and _capturing(self.device):
             self._captured = True
         if not self._busy.acquire(blocking=False):

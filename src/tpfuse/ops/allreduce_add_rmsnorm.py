@@ -1,16 +1,17 @@
-"""All-reduce + residual add + RMSNorm (+ fp8) as ``torch.library`` ops, with the optional steps real
-models put around them: a bias after the all-reduce, Gemma's post-norm before the residual add,
-LayerNorm instead of RMSNorm, fp8 output with a static or dynamic scale (``kernels.block_end.Epilogue``,
+"""All-reduce + residual add + RMSNorm (+ quantised outputs) as ``torch.library`` ops, with the optional
+steps real models put around them: a MoE finalize before the sum, a bias after it, Gemma's post-norm
+before the residual add, LayerNorm instead of RMSNorm, fp8 / fp4 output (``kernels.block_end.Epilogue``,
 whose fields are the ops' keyword-only arguments, declared there once).
 
-Three ops share one implementation: ``tpfuse::allreduce_add_rmsnorm`` (functional, what graphs and
-the compiler pass use), ``tpfuse::allreduce_add_rmsnorm_out`` (writes preallocated outputs) and
-``tpfuse::allreduce_add_rmsnorm_dynamic_fp8`` (fp8 ``y`` with scales per token or per group).
-Each call is checked, made into one :class:`tpfuse.kernels.call.FusedCall`, and planned by the
-group's communicator (:meth:`tpfuse.comm.Communicator.plan`, kept per kind of call): a fused kernel
-(the Triton one-shot or two-shot, or FlashInfer's), fused calls of the limit's rows, or the reference
-path (the group's own all-reduce, then the same block end in torch). At world size 1 nothing
-travels: one kernel does the block end (``kernels.local``).
+The ops share one implementation: ``tpfuse::allreduce_add_rmsnorm`` (functional, what graphs and the
+compiler pass use), ``tpfuse::allreduce_add_rmsnorm_out`` (writes preallocated outputs),
+``tpfuse::allreduce_add_rmsnorm_dynamic_fp8`` (fp8 ``y`` with scales per token or per group),
+``tpfuse::allreduce_add_rmsnorm_quant`` (every quantised output, the norm's copy) and
+``tpfuse::all_reduce`` (the sum alone). Each call is checked, made into one
+:class:`tpfuse.kernels.call.FusedCall` and run by its group's route (``ops.route``): the local kernel
+(a group of one rank), a fused kernel (the Triton one-shot or two-shot, or FlashInfer's) as the
+communicator plans it, fused calls of the limit's rows, or the reference path (the group's own
+all-reduce, then the same block end in torch).
 
 The public functions call the implementation directly in eager code (a dispatcher round trip is
 most of an eager call's host time) and the ops under ``torch.compile``, tensor subclasses and
@@ -19,23 +20,16 @@ dispatch modes.
 
 from __future__ import annotations
 
-import os
-import time
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from tpfuse import _stats
-from tpfuse.comm import agreement
-from tpfuse.comm.communicator import default_wait_timeout_s, group_device, lookup_communicator, resolve_group
-from tpfuse.kernels import block_end
-from tpfuse.kernels import kernels_usable
-from tpfuse.kernels.call import FusedCall
+from tpfuse.kernels import block_end, formats
 from tpfuse.kernels.block_end import Epilogue
-from tpfuse.kernels import formats
-from tpfuse.kernels.reference import add_rmsnorm_reference, rank_part, unquantised
+from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.targets import fp8_format
+from tpfuse.ops.route import group_name_of, route_of
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -221,139 +215,6 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         b0 < a0 + a.numel() * a.element_size()
 
 
-def _debug() -> bool:
-    """``TPFUSE_DEBUG=1``: on a GPU, check every eager call for errors after it (it synchronises)."""
-    return os.environ.get("TPFUSE_DEBUG") == "1"
-
-
-def _group_by_name(group_name: str) -> dist.ProcessGroup:
-    try:
-        return dist.distributed_c10d._resolve_process_group(group_name)
-    except Exception as exc:  # the private resolver raises several types across torch versions
-        raise ValueError(f"tpfuse: unknown process group {group_name!r}") from exc
-
-
-_world_sizes: dict[str, int] = {}
-
-
-def _world_size(group_name: str) -> int:
-    """The size of a group by name (kept: a group's size never changes)."""
-    size = _world_sizes.get(group_name)
-    if size is None:
-        size = _world_sizes[group_name] = dist.get_world_size(_group_by_name(group_name))
-    return size
-
-
-def _run(call: FusedCall, group_name: str) -> None:
-    """Run a checked call: as its group's communicator plans it, as one local kernel (a group of one
-    rank), or on the reference path."""
-    x = call.x
-    comm = lookup_communicator(group_name)
-    if comm is not None and comm.device == x.device:
-        comm.check_usable()
-        plan = comm.plan(call)
-        if plan.fused:
-            # Checks that wait for the host: always on the CPU, on a GPU only in debug mode, never in capture.
-            checking = x.device.type == "cpu" or (_debug() and not torch.cuda.is_current_stream_capturing())
-            if not plan.chunk_rows:
-                _run_fused(comm, call, plan, checking)
-                return
-            # Calls over the workspace run as fused calls of `chunk_rows` rows each (rows are independent),
-            # so the ranks' calls stay compared and every wait bounded (docs/reliability.md).
-            try:
-                for start in range(0, call.n_tokens, plan.chunk_rows):
-                    part = call.rows(start, min(start + plan.chunk_rows, call.n_tokens))
-                    _run_fused(comm, part, comm.plan(part), checking)
-                    if part.scales is not None and not formats.scales_by_rows(call.epilogue):
-                        formats.place_scale_rows(call.epilogue, call.scales, start, part.scales, part.n_tokens)
-            except RuntimeError:
-                for out in call.outputs():  # a failed call returns none of its rows, not even those of
-                    # chunks that went through: NaN, or every bit set (codes and packed exponents)
-                    out.fill_(float("nan") if out.is_floating_point() else 0xFF if out.dtype == torch.uint8 else -1)
-                raise
-            return
-    local = _local_kernels.get((group_name, x.device), False)
-    if local is False:
-        local = _local_kernel(group_name, x.device)
-    if local is not None and x.dtype is not torch.float32:
-        local(call)
-        _stats.record("triton.local")
-        return
-    _run_reference(call, group_name, comm)
-
-
-def _run_fused(comm, call: FusedCall, plan, checking: bool) -> None:
-    """One fused call of ``comm``'s backend as ``plan`` says; on the CPU (or in debug mode) checked for
-    errors after it."""
-    if checking and not comm.fused_backend.compares_calls:
-        comm.check_call_matches(call.n_tokens, call.hidden, call.x.dtype, plan.algorithm)
-    if not checking:
-        _stats.record(comm.run_fused(call, plan))
-        return
-    started = time.monotonic()
-    _stats.record(comm.run_fused(call, plan))
-    comm.check_errors(waited_s=time.monotonic() - started)
-
-
-_local_kernels: dict = {}  # (group name, device) -> what runs its calls as one kernel (None: nothing)
-
-
-def _local_kernel(group_name: str, device: torch.device):
-    """``kernels.local.local_add_rmsnorm`` where a group has one rank and the kernels run on ``device``,
-    else None; kept (neither changes in a process), and Triton imported only where it is used."""
-    local = None
-    if _world_size(group_name) == 1 and kernels_usable(device):
-        from tpfuse.kernels.local import local_add_rmsnorm as local
-    _local_kernels[(group_name, device)] = local
-    return local
-
-
-def _run_reference(call: FusedCall, group_name: str, comm) -> None:
-    """The group's own all-reduce in fp32 (none at world size 1), then the block end in torch."""
-    x, steps = call.x, call.epilogue
-    world_size = comm.world_size if comm is not None else _world_size(group_name)
-    group = _group_by_name(group_name)
-    checking = world_size > 1 and (x.device.type == "cpu" or (_debug() and
-                                                                not torch.cuda.is_current_stream_capturing()))
-    timeout = comm.wait_timeout_s if comm is not None else default_wait_timeout_s()
-    if checking:  # the kernels' comparison of calls does not cover the group's all-reduce: compare here
-        agreement.check_reference_call(group, group_device(group), call.n_tokens, call.hidden, x.dtype,
-                                       call.residual is not None, steps.quant_scale is not None,
-                                       steps.flags(call.hidden), timeout)
-    if call.n_tokens == 0:
-        return
-    reduced = rank_part(x, steps).to(torch.float32, copy=True)
-    if world_size > 1:
-        agreement.all_reduce(reduced, group, timeout if checking else None, "a reference-path all-reduce")
-    y, h, scales = add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype, steps)
-    call.y.copy_(y)
-    call.h.copy_(h)
-    if scales is not None:
-        call.scales.copy_(scales)
-    if call.normed is not None:
-        call.normed.copy_(add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype,
-                                                unquantised(steps))[0])
-    _stats.record("reference")
-
-
-_checked_groups: dict = {}  # process group -> its name, once this process's membership was checked
-
-
-def _group_name(group: dist.ProcessGroup | None) -> str:
-    """``resolve_group(group).group_name``, checked once per group (a call's host time counts)."""
-    key = dist.GroupMember.WORLD if group is None else group
-    name = _checked_groups.get(key)
-    if name is None:
-        name = resolve_group(group).group_name
-        _checked_groups[key] = name
-        # torch names groups by a counter that starts again when the default group is destroyed: what
-        # was kept for an earlier group of this name is not this group's.
-        _world_sizes.pop(name, None)
-        for kept in [k for k in _local_kernels if k[0] == name]:
-            del _local_kernels[kept]
-    return name
-
-
 def _quantised_outputs(x: torch.Tensor, steps: Epilogue) -> tuple[torch.Tensor, ...]:
     """(y, scales, h, normed) of a quantising call, empty: y fp8 [T, H] or fp4 codes [T, H / 2] (uint8),
     the scales in their format and layout (float32 [T, 0] where there are none), normed in x's dtype
@@ -408,14 +269,14 @@ def _functional(x, residual, weight, eps, group_name, **steps):
     steps = Epilogue.of(steps)
     check_inputs(x, residual, weight, eps, steps)
     y, h = _outputs(x, steps)
-    _run(FusedCall(x, residual, weight, eps, y, h, steps), group_name)
+    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, steps))
     return y, h
 
 
 def _out(x, residual, weight, eps, group_name, y, h, **steps):
     steps = Epilogue.of(steps)
     check_inputs(x, residual, weight, eps, steps, y, h)
-    _run(FusedCall(x, residual, weight, eps, y, h, steps), group_name)
+    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, steps))
 
 
 def _dynamic_fp8(x, residual, weight, eps, group_name, **steps):
@@ -425,7 +286,7 @@ def _dynamic_fp8(x, residual, weight, eps, group_name, **steps):
         raise ValueError(f"scale_group must be a positive int (elements per scale), got {steps.scale_group}; "
                          "fp4 and normed_copy: allreduce_add_rmsnorm_quant")
     y, scales, h, _ = _quantised_outputs(x, steps)
-    _run(FusedCall(x, residual, weight, eps, y, h, steps, scales), group_name)
+    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, steps, scales))
     return y, scales, h
 
 
@@ -435,15 +296,15 @@ def _quant(x, residual, weight, eps, group_name, **steps):
     if not steps.quantised:
         raise ValueError("allreduce_add_rmsnorm_quant quantises y: pass quant_scale, scale_group or fp4")
     y, scales, h, normed = _quantised_outputs(x, steps)
-    _run(FusedCall(x, residual, weight, eps, y, h, steps, scales if scales.shape[1] else None,
-                   normed if steps.normed_copy else None), group_name)
+    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, steps, scales if scales.shape[1] else None,
+                   normed if steps.normed_copy else None))
     return y, scales, h, normed
 
 
 def _all_reduce(x, group_name):
     check_inputs(x, None, None, 0.0, SUM_ONLY)
     h = torch.empty_like(x)
-    _run(FusedCall(x, None, x, 0.0, h, h, SUM_ONLY), group_name)  # no norm: no weight read, no y written
+    route_of(group_name).run(FusedCall(x, None, x, 0.0, h, h, SUM_ONLY))  # no norm: no weight read, no y written
     return h
 
 
@@ -556,7 +417,7 @@ def allreduce_add_rmsnorm(
         steps = Epilogue(quant_scale, bias, sum_weight, layer_norm, norm_bias, experts=_experts(x),
                          topk_weights=topk_weights, shared_expert=shared_expert)
     check_inputs(x, residual, weight, eps, steps, out, residual_out)
-    group_name = _group_name(group)
+    group_name = group_name_of(group)
     if out is None and residual_out is None:
         if _through_the_op(x):
             return torch.ops.tpfuse.allreduce_add_rmsnorm(x, residual, weight, eps, group_name,
@@ -569,7 +430,7 @@ def allreduce_add_rmsnorm(
             torch.ops.tpfuse.allreduce_add_rmsnorm_out(x, residual, weight, eps, group_name, y, h,
                                                        **steps.kwargs())
             return y, h
-    _run(FusedCall(x, residual, weight, eps, y, h, steps), group_name)
+    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, steps))
     return y, h
 
 
@@ -607,12 +468,12 @@ def allreduce_add_rmsnorm_dynamic_fp8(
                      scale_group=scale_group, experts=_experts(x), topk_weights=topk_weights,
                      shared_expert=shared_expert)
     check_inputs(x, residual, weight, eps, steps)
-    group_name = _group_name(group)
+    group_name = group_name_of(group)
     if _through_the_op(x):
         return torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8(x, residual, weight, eps, group_name,
                                                                   **steps.kwargs())
     y, scales, h, _ = _quantised_outputs(x, steps)
-    _run(FusedCall(x, residual, weight, eps, y, h, steps, scales), group_name)
+    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, steps, scales))
     return y, scales, h
 
 
@@ -707,7 +568,7 @@ def allreduce_add_rmsnorm_quant(
                      ue8m0_scales=ue8m0_scales, scale_layout=_SCALE_LAYOUTS[scale_layout], fp4=fp4,
                      global_scale=global_scale)
     check_inputs(x, residual, weight, eps, steps)
-    group_name = _group_name(group)
+    group_name = group_name_of(group)
     if _through_the_op(x):
         y, scales, h, normed = torch.ops.tpfuse.allreduce_add_rmsnorm_quant(x, residual, weight, eps, group_name,
                                                                            **steps.kwargs())
@@ -745,7 +606,7 @@ def all_reduce(x: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> to
         raise TypeError(f"x must be a tensor, got {type(x).__name__}")
     if x.dim() != 2 and x.dim() >= 1:
         return all_reduce(x.reshape(-1, x.shape[-1]), group=group).reshape(x.shape)
-    group_name = _group_name(group)
+    group_name = group_name_of(group)
     if _through_the_op(x):
         return torch.ops.tpfuse.all_reduce(x, group_name)
     return _all_reduce(x, group_name)

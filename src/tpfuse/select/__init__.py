@@ -29,6 +29,10 @@ import torch
 
 ONESHOT, TWOSHOT, REFERENCE = "oneshot", "twoshot", "reference"
 ALGORITHMS = (ONESHOT, TWOSHOT, REFERENCE)
+#: Where a call goes (``tpfuse.ops.route``): the block end alone (a group of one rank), one fused call of
+#: either kernel, fused calls of the workspace's rows (a call larger than it), or the reference path.
+LOCAL, CHUNKED = "local", "chunked"
+ROUTES = (LOCAL, ONESHOT, TWOSHOT, CHUNKED, REFERENCE)
 
 #: dtypes the Triton kernels accept (16-bit floats: the sentinel protocol works on 16-bit words).
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)

@@ -1,0 +1,180 @@
+"""Where a group's calls go: one :class:`Route` a process group, made once and dropped by one rule.
+
+A route holds what every call of its group needs and what does not change while the group and its
+communicator stay: the group's name and size, its communicator (or None) and, for a group of one
+rank, the kernel that does the block end alone. :meth:`Route.run` sends a checked call the way it
+goes (``select.ROUTES``): the local kernel, one fused call (one-shot or two-shot, as the communicator
+plans it and keeps the plan), fused calls of the workspace's rows (a call larger than it), or the
+reference path (the group's own all-reduce in fp32, then the block end in torch).
+
+The one eviction rule: a group's route is rebuilt at its next call when the communicator registered
+for the group is not the one the route holds (one was created or destroyed since), or when the name
+comes back with a new group object (torch numbers groups again once the default group is destroyed).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from tpfuse import _stats, select
+from tpfuse.comm import agreement
+from tpfuse.comm.communicator import (CallPlan, Communicator, default_wait_timeout_s, group_device,
+                                      lookup_communicator, resolve_group)
+from tpfuse.kernels import formats, kernels_usable
+from tpfuse.kernels.call import FusedCall
+from tpfuse.kernels.reference import add_rmsnorm_reference, rank_part, unquantised
+
+_LOCAL, _REFERENCE = CallPlan(select.LOCAL), CallPlan(select.REFERENCE)
+
+
+class Route:
+    """A process group's way to run calls (see the module's docstring); :func:`route_of` gives it.
+
+    Attributes
+    ----------
+    group_name : str
+    world_size : int
+    comm : Communicator or None
+        The group's communicator when the route was made (None: no fused calls).
+    """
+
+    def __init__(self, group_name: str, comm: Communicator | None):
+        self.group_name = group_name
+        self.comm = comm
+        self.world_size = comm.world_size if comm is not None else dist.get_world_size(_group_by_name(group_name))
+        self._local: dict[torch.device, object] = {}  # device -> the local kernel there, or None
+
+    def plan(self, call: FusedCall) -> CallPlan:
+        """How ``call`` runs (``CallPlan.route``, one of ``select.ROUTES``): the communicator's plan where
+        it serves the call's device (kept by it), else the local kernel or the reference path."""
+        comm, x = self.comm, call.x
+        if comm is not None and comm.device == x.device:
+            comm.check_usable()
+            plan = comm.plan(call)
+            if plan.route != select.REFERENCE:
+                return plan
+        return _LOCAL if x.dtype is not torch.float32 and self.local_kernel(x.device) is not None else _REFERENCE
+
+    def local_kernel(self, device: torch.device):
+        """``kernels.local.local_add_rmsnorm`` where the group has one rank and the kernels run on
+        ``device``, else None (decided once a device; Triton imported only where it is used)."""
+        local = self._local.get(device, False)
+        if local is False:
+            local = None
+            if self.world_size == 1 and kernels_usable(device):
+                from tpfuse.kernels.local import local_add_rmsnorm as local
+            self._local[device] = local
+        return local
+
+    def run(self, call: FusedCall) -> None:
+        """Run a checked call as :meth:`plan` says; record it in ``tpfuse.stats()``."""
+        plan = self.plan(call)
+        route = plan.route
+        if route == select.LOCAL:
+            self._local[call.x.device](call)
+            _stats.record("triton.local")
+        elif route == select.REFERENCE:
+            self._run_reference(call)
+        elif route == select.CHUNKED:
+            self._run_chunked(call, plan.chunk_rows)
+        else:
+            self._run_fused(call, route, _checking(call.x.device))
+
+    def _run_fused(self, call: FusedCall, kind: str, checking: bool) -> None:
+        """One fused call on the communicator's backend; on the CPU (or in debug mode) checked for
+        errors after it."""
+        comm = self.comm
+        if checking and not comm.fused_backend.compares_calls:
+            comm.check_call_matches(call.n_tokens, call.hidden, call.x.dtype, kind)
+        if not checking:
+            _stats.record(comm.run_fused(call, kind))
+            return
+        started = time.monotonic()
+        _stats.record(comm.run_fused(call, kind))
+        comm.check_errors(waited_s=time.monotonic() - started)
+
+    def _run_chunked(self, call: FusedCall, chunk_rows: int) -> None:
+        """A call over the workspace as fused calls of ``chunk_rows`` rows each (rows are independent), so
+        the ranks' calls stay compared and every wait bounded (docs/reliability.md)."""
+        checking = _checking(call.x.device)
+        try:
+            for start in range(0, call.n_tokens, chunk_rows):
+                part = call.rows(start, min(start + chunk_rows, call.n_tokens))
+                self._run_fused(part, self.comm.plan(part).route, checking)
+                if part.scales is not None and not formats.scales_by_rows(call.epilogue):
+                    formats.place_scale_rows(call.epilogue, call.scales, start, part.scales, part.n_tokens)
+        except RuntimeError:
+            for out in call.outputs():  # a failed call returns none of its rows, not even those of chunks
+                # that went through: NaN, or every bit set (codes and packed exponents)
+                out.fill_(float("nan") if out.is_floating_point() else 0xFF if out.dtype == torch.uint8 else -1)
+            raise
+
+    def _run_reference(self, call: FusedCall) -> None:
+        """The group's own all-reduce in fp32 (none at world size 1), then the block end in torch."""
+        x, steps, comm = call.x, call.epilogue, self.comm
+        group = _group_by_name(self.group_name)
+        checking = self.world_size > 1 and _checking(x.device)
+        timeout = comm.wait_timeout_s if comm is not None else default_wait_timeout_s()
+        if checking:  # the kernels' comparison of calls does not cover the group's all-reduce: compare here
+            agreement.check_reference_call(group, group_device(group), call.n_tokens, call.hidden, x.dtype,
+                                           call.residual is not None, steps.quant_scale is not None,
+                                           steps.flags(call.hidden), timeout)
+        if call.n_tokens == 0:
+            return
+        reduced = rank_part(x, steps).to(torch.float32, copy=True)
+        if self.world_size > 1:
+            agreement.all_reduce(reduced, group, timeout if checking else None, "a reference-path all-reduce")
+        y, h, scales = add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype, steps)
+        call.y.copy_(y)
+        call.h.copy_(h)
+        if scales is not None:
+            call.scales.copy_(scales)
+        if call.normed is not None:
+            call.normed.copy_(add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype,
+                                                    unquantised(steps))[0])
+        _stats.record("reference")
+
+
+_routes: dict[str, Route] = {}
+_names: dict[dist.ProcessGroup, str] = {}  # a group object -> its name, once its membership was checked
+
+
+def route_of(group_name: str) -> Route:
+    """The route of the group named ``group_name`` (made at its first call, and again after the group's
+    communicator changed)."""
+    route = _routes.get(group_name)
+    comm = lookup_communicator(group_name)
+    if route is None or route.comm is not comm:
+        route = _routes[group_name] = Route(group_name, comm)
+    return route
+
+
+def group_name_of(group: dist.ProcessGroup | None) -> str:
+    """``resolve_group(group).group_name``, checked once a group object (a call's host time counts)."""
+    key = dist.GroupMember.WORLD if group is None else group
+    name = _names.get(key)
+    if name is None:
+        name = resolve_group(group).group_name
+        _names[key] = name
+        # torch names groups by a counter that starts again when the default group is destroyed: the
+        # route kept for an earlier group of this name is not this group's.
+        _routes.pop(name, None)
+    return name
+
+
+def _group_by_name(group_name: str) -> dist.ProcessGroup:
+    try:
+        return dist.distributed_c10d._resolve_process_group(group_name)
+    except Exception as exc:  # the private resolver raises several types across torch versions
+        raise ValueError(f"tpfuse: unknown process group {group_name!r}") from exc
+
+
+def _checking(device: torch.device) -> bool:
+    """Whether calls are checked for errors after they run, waiting for the host: always on the CPU, on a
+    GPU only in debug mode (``TPFUSE_DEBUG=1``: it synchronises), never while a CUDA graph is captured."""
+    return device.type == "cpu" or (os.environ.get("TPFUSE_DEBUG") == "1"
+                                    and not torch.cuda.is_current_stream_capturing())
