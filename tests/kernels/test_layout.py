@@ -20,6 +20,19 @@ def test_descriptor_words_never_hold_the_sentinel_and_read_back():
         "a workspace region of 4096 words")
 
 
+def test_flags_above_15_bits_travel_in_the_last_word_beside_the_regions_top_bit():
+    """The quantised outputs' flags (bits 15 and up) share the last word with the region's top bit: both
+    read back, and every word stays below the sentinel."""
+    flags = layout.call_flags(torch.bfloat16, False) | layout.FLAG_NVFP4 | layout.FLAG_NORMED_COPY
+    words = layout.describe_call(7, 4096, flags | layout.FLAG_TWOSHOT, 3, (1 << 31) - 8)
+    assert all(0 <= w <= 0x7FFF for w in words), words
+    assert layout.explain_descriptor(words) == (
+        "7 x 4096 bfloat16 twoshot, no residual, a copy of the norm's output, NVFP4 output")
+    # A call of the reference path (float32: no kernel takes one) as the host compares it.
+    assert layout.explain_flags(layout.call_flags(torch.float32, True) | layout.FLAG_MXFP4) == (
+        "float32, residual, MXFP4 output")
+
+
 def _sent_descriptors(rank, world_size):
     tpfuse.destroy_all()
     comm = tpfuse.get_communicator(max_tokens=16, hidden=512)

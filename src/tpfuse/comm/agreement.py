@@ -22,14 +22,15 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from tpfuse.kernels import layout
+from tpfuse.kernels.call import CallDescription
+
 #: Record kinds: the first field of every record.
 SETUP, REFERENCE_CALL, FUSED_CALL = 1, 2, 3
 
-DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_RECORDS = {SETUP: "communicator set-up", REFERENCE_CALL: "reference-path call", FUSED_CALL: "fused call"}
 # How a field's values read in an error message.
-_LABELS = {"record": {SETUP: "communicator set-up", REFERENCE_CALL: "reference-path call",
-                      FUSED_CALL: "fused call"},
-           "dtype": {code: str(dtype)[6:] for dtype, code in DTYPE_CODES.items()}}
+_LABELS = {"record": _RECORDS.get, "flags": lambda flags: f"({layout.explain_flags(flags)})"}
 
 _reference_calls: dict[str, itertools.count] = {}
 
@@ -54,8 +55,8 @@ def exchange(group: dist.ProcessGroup, device: torch.device, fields: dict[str, i
     for name in fields:
         values = [r[name] for r in records]
         if len(set(values)) > 1:
-            shown = _LABELS.get(name, {})
-            detail = ", ".join(f"rank {r}: {shown.get(v, v)}" for r, v in enumerate(values))
+            shown = _LABELS.get(name, lambda v: v)
+            detail = ", ".join(f"rank {r}: {shown(v)}" for r, v in enumerate(values))
             raise Disagreement(f"tpfuse: group {group.group_name!r}: the ranks differ at {what}: {name} "
                                f"({detail})")
     return records
@@ -97,13 +98,10 @@ def reset_numbers(group_name: str) -> None:
     _reference_calls.pop(group_name, None)
 
 
-def check_reference_call(group: dist.ProcessGroup, device: torch.device, n_tokens: int, hidden: int,
-                         dtype: torch.dtype, has_residual: bool, quantized: bool, epilogue_flags: int,
+def check_reference_call(group: dist.ProcessGroup, device: torch.device, call: CallDescription,
                          timeout_s: float) -> None:
-    """Before a reference-path call: every rank makes this call, the same one (a bounded exchange).
-    ``epilogue_flags``: the call's other steps (``Epilogue.flags``)."""
+    """Before a reference-path call: every rank makes this call, the same one (a bounded exchange)."""
     number = next(_reference_calls.setdefault(group.group_name, itertools.count(1)))
-    exchange(group, device, {"record": REFERENCE_CALL, "reference call number": number, "tokens": n_tokens,
-                     "hidden": hidden, "dtype": DTYPE_CODES.get(dtype, 0), "residual": int(has_residual),
-                     "fp8 output": int(quantized), "epilogue": epilogue_flags},
-             timeout_s, f"reference-path call #{number} ({n_tokens} x {hidden} {str(dtype)[6:]})")
+    exchange(group, device, {"record": REFERENCE_CALL, "reference call number": number, **call.fields()},
+             timeout_s, f"reference-path call #{number} ({call.tokens} x {call.hidden} "
+                        f"{layout.explain_flags(call.flags)})")

@@ -17,7 +17,7 @@ from tpfuse import select
 from tpfuse.comm import agreement, topology
 from tpfuse.comm.backend import FusedBackend
 from tpfuse.kernels import kernels_usable
-from tpfuse.kernels.call import FusedCall
+from tpfuse.kernels.call import CallDescription, FusedCall
 from tpfuse.kernels.block_end import PLAIN, Epilogue
 
 log = logging.getLogger(__name__)
@@ -310,16 +310,15 @@ class Communicator:
                            "NaN. Destroy this communicator and create a new one, on every rank.")
             raise RuntimeError(self._error)
 
-    def check_call_matches(self, n_tokens: int, hidden: int, dtype: torch.dtype, algorithm: str) -> None:
+    def check_call_matches(self, call: CallDescription, algorithm: str) -> None:
         """Compare this call with every rank's (a bounded exchange); raise naming any difference.
 
         For backends whose kernels do not compare calls themselves (``FusedBackend.compares_calls``),
         in debug mode.
         """
         agreement.exchange(self.group, self.device, {
-            "record": agreement.FUSED_CALL, "tokens": n_tokens, "hidden": hidden,
-            "dtype": agreement.DTYPE_CODES.get(dtype, 0), "algorithm": select.ALGORITHMS.index(algorithm),
-        }, self.wait_timeout_s, f"a fused call ({n_tokens} x {hidden})")
+            "record": agreement.FUSED_CALL, **call.fields(), "algorithm": select.ALGORITHMS.index(algorithm),
+        }, self.wait_timeout_s, f"a fused call ({call.tokens} x {call.hidden})")
 
     def ensure_capacity(self, max_tokens: int, hidden: int) -> None:
         """Grow the workspace to hold ``max_tokens`` rows of ``hidden`` (collective when it grows)."""

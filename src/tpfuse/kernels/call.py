@@ -11,10 +11,24 @@ from typing import NamedTuple
 
 import torch
 
-from tpfuse.kernels import formats
+from tpfuse.kernels import formats, layout
 from tpfuse.kernels.block_end import PLAIN, Epilogue, StepTensors
 
 _STEPS = len(StepTensors._fields)
+
+
+class CallDescription(NamedTuple):
+    """What a call is, as every rank must make it: its rows, hidden size and flags word (``layout.FLAG_*``:
+    dtype, residual, the block end's steps). The kernels' descriptor carries it (``layout.describe_call``,
+    with the algorithm's bits), and the host compares it where no kernel does (``comm.agreement``)."""
+
+    tokens: int
+    hidden: int
+    flags: int
+
+    def fields(self) -> dict[str, int]:
+        """For ``agreement.exchange``: its fields by name."""
+        return self._asdict()
 
 
 class FusedCall(NamedTuple):
@@ -61,6 +75,11 @@ class FusedCall(NamedTuple):
     @property
     def hidden(self) -> int:
         return self.x.shape[-1]
+
+    def describe(self) -> CallDescription:
+        """The call as every rank must make it (:class:`CallDescription`)."""
+        return CallDescription(self.n_tokens, self.hidden, layout.call_flags(self.x.dtype, self.residual is not None)
+                               | self.epilogue.flags(self.hidden))
 
     def outputs(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the call writes."""

@@ -49,6 +49,8 @@ FLAG_MOE_FINALIZE = 8192
 FLAG_NORMED_COPY = 1 << 14
 FLAG_UE8M0, FLAG_SCALES_COLUMNS, FLAG_SCALES_PACKED = 1 << 15, 1 << 16, 1 << 17
 FLAG_NVFP4, FLAG_MXFP4 = 1 << 18, 1 << 19
+#: A float32 call: only the host compares such calls (the reference path); no kernel takes one.
+FLAG_FP32 = 1 << 20
 _FLAG_WORDS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYER_NORM, "LayerNorm"),
                (FLAG_NORM_BIAS, "norm bias"), (FLAG_QUANT, "fp8 output"),
                (FLAG_DYNAMIC_TOKEN, "fp8 output scaled per token"),
@@ -83,6 +85,20 @@ def describe_call(n_tokens: int, hidden: int, flags: int, call: int, region_elem
             ((region_elems >> 30) & 1 | (flags >> 15) << 1) & 0x7FFF]
 
 
+def call_flags(dtype: torch.dtype, has_residual: bool) -> int:
+    """A call's flags word less the block end's bits (``Epilogue.flags``) and the algorithm's."""
+    kind = FLAG_BF16 if dtype == torch.bfloat16 else FLAG_FP16 if dtype == torch.float16 else FLAG_FP32
+    return kind | (FLAG_RESIDUAL if has_residual else 0)
+
+
+def explain_flags(flags: int) -> str:
+    """A flags word as words: ``bfloat16, residual, MoE finalize``."""
+    dtype = "bfloat16" if flags & FLAG_BF16 else "float16" if flags & FLAG_FP16 else "float32" \
+        if flags & FLAG_FP32 else "?"
+    return ", ".join([dtype, "residual" if flags & FLAG_RESIDUAL else "no residual"]
+                     + [word for bit, word in _FLAG_WORDS if flags & bit])
+
+
 def explain_descriptor(words: list[int], other: list[int] | None = None) -> str:
     """A descriptor as a reader wants it: ``5 x 512 bfloat16 oneshot, residual``; the call's number and
     the workspace's region are added where they differ from ``other``'s."""
@@ -93,10 +109,8 @@ def explain_descriptor(words: list[int], other: list[int] | None = None) -> str:
         return w[5] | w[6] << 15 | (w[7] & 1) << 30
 
     flags = words[3] | (words[7] >> 1) << 15
-    dtype = "bfloat16" if flags & FLAG_BF16 else "float16" if flags & FLAG_FP16 else "?"
-    parts = [f"{tokens(words)} x {words[2]} {dtype} {'twoshot' if flags & FLAG_TWOSHOT else 'oneshot'}",
-             "residual" if flags & FLAG_RESIDUAL else "no residual"]
-    parts += [word for bit, word in _FLAG_WORDS if flags & bit]
+    dtype, *steps = explain_flags(flags).split(", ")
+    parts = [f"{tokens(words)} x {words[2]} {dtype} {'twoshot' if flags & FLAG_TWOSHOT else 'oneshot'}", *steps]
     if other is not None and other[4] != words[4]:
         parts.append(f"its call #{words[4] + 1} (mod 32768)")
     if other is not None and region(other) != region(words):

@@ -87,18 +87,10 @@ def call_constexprs(ctx: LaunchContext, call: FusedCall, twoshot: bool, wire: bo
     assert n_tokens * hidden <= workspace.region_elems and workspace.state.numel() == layout.STATE_LEN
     # The kernels take both for multiples of 8 (16-byte rows); select.kernel_supports admits no others.
     assert hidden % 8 == 0 and workspace.region_elems % 8 == 0, (hidden, workspace.region_elems)
-    has_residual = call.residual is not None
-    return dict(HAS_RESIDUAL=has_residual, STEPS=call.epilogue.switches(hidden),
+    return dict(HAS_RESIDUAL=call.residual is not None, STEPS=call.epilogue.switches(hidden),
                 DEADLINE_GIVEN=call.x.device.type != "cuda",
-                DESC_FLAGS=call_flags(call.x.dtype, has_residual, twoshot) | call.epilogue.flags(hidden)
+                DESC_FLAGS=call.describe().flags | (layout.FLAG_TWOSHOT if twoshot else 0)
                 | (layout.FLAG_FP8_WIRE if wire else 0))
-
-
-def call_flags(dtype: torch.dtype, has_residual: bool, twoshot: bool) -> int:
-    """The flags word of a call's descriptor (``layout.FLAG_*``), less the block end's bits
-    (``Epilogue.flags``)."""
-    return ((layout.FLAG_BF16 if dtype == torch.bfloat16 else layout.FLAG_FP16) |
-            (layout.FLAG_RESIDUAL if has_residual else 0) | (layout.FLAG_TWOSHOT if twoshot else 0))
 
 
 @triton.jit

@@ -89,7 +89,7 @@ class Route:
         errors after it."""
         comm = self.comm
         if checking and not comm.fused_backend.compares_calls:
-            comm.check_call_matches(call.n_tokens, call.hidden, call.x.dtype, kind)
+            comm.check_call_matches(call.describe(), kind)
         if not checking:
             _stats.record(comm.run_fused(call, kind))
             return
@@ -120,9 +120,7 @@ class Route:
         checking = self.world_size > 1 and _checking(x.device)
         timeout = comm.wait_timeout_s if comm is not None else default_wait_timeout_s()
         if checking:  # the kernels' comparison of calls does not cover the group's all-reduce: compare here
-            agreement.check_reference_call(group, group_device(group), call.n_tokens, call.hidden, x.dtype,
-                                           call.residual is not None, steps.quant_scale is not None,
-                                           steps.flags(call.hidden), timeout)
+            agreement.check_reference_call(group, group_device(group), call.describe(), timeout)
         if call.n_tokens == 0:
             return
         reduced = rank_part(x, steps).to(torch.float32, copy=True)
