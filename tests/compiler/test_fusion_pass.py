@@ -355,7 +355,7 @@ def _examples_against_float64(rank, world_size, names):
 
     torch._dynamo.reset()
     tpfuse.get_communicator(max_tokens=16, hidden=64)
-    chosen = [getattr(patterns, name) for name in names]
+    chosen = [patterns.PATTERNS_BY_NAME[name] for name in names]
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(len(chosen), 6, 64, generator=g).bfloat16()
     x_other = torch.randn(len(chosen), 6, 64, generator=g).bfloat16()
@@ -386,7 +386,7 @@ def check_examples_against_float64(rank_pool, names):
 
     results = rank_pool(2).run(_examples_against_float64, names, timeout=900)
     for got, expected, calls, reports in results:
-        sites = [f"fused ({name})" for name in names for _ in range(getattr(patterns, name).branches)]
+        sites = [f"fused ({name})" for name in names for _ in range(patterns.PATTERNS_BY_NAME[name].branches)]
         assert sorted(r.split(": ", 1)[1] for r in reports) == sorted(sites), reports
         assert calls == len(names)
         for i, (name, g, e) in enumerate(zip(names, got, expected)):
@@ -422,7 +422,7 @@ COMBINATION_CHUNKS = 6
 def test_every_combination_matches_float64(rank_pool, chunk):
     from tpfuse.compiler import PATTERNS
 
-    check_examples_against_float64(rank_pool, [p.__name__ for p in PATTERNS[chunk::COMBINATION_CHUNKS]])
+    check_examples_against_float64(rank_pool, [p.name for p in PATTERNS[chunk::COMBINATION_CHUNKS]])
 
 
 def test_compile_modes_are_torch_compile_modes():

@@ -164,9 +164,9 @@ def leftovers(graph: torch.fx.Graph) -> list[str]:
 
 
 def test_every_combination_of_steps_is_a_pattern_named_from_its_steps():
-    names = [p.__name__ for p in PATTERNS]
+    names = [p.name for p in PATTERNS]
     assert len(names) == len(set(names)) == len(combinations())
-    assert [p.steps() for p in PATTERNS] == sorted((p.steps() for p in PATTERNS), reverse=True)
+    assert [p.length for p in PATTERNS] == sorted((p.length for p in PATTERNS), reverse=True)
     # The names the README, the clients' tests and users' reports use stay what they were.
     for name in ("AllReduceRMSNorm", "AllReduceAddRMSNorm", "AllReduceRMSNormQuant", "AllReduceAddRMSNormQuant",
                  "AllReduceAddRMSNormDynamicQuant", "AllReduceRMSNormDynamicQuant", "AllReducePostNormAddRMSNorm",
@@ -174,7 +174,7 @@ def test_every_combination_of_steps_is_a_pattern_named_from_its_steps():
                  "AllReduceLayerNorm", "AllReduceAddLayerNorm", "AllReduceBiasAddLayerNorm",
                  "TwoAllReducesBiasAddLayerNorm", "TwoAllReducesAddLayerNorm", "TwoAllReducesAddRMSNorm"):
         assert name in names
-    steps = dict(scale=False, branches=1, bias=True, sum_norm=False, residual=True, layer_norm=False,
+    steps = dict(scaled=False, branches=1, bias=True, sum_norm=False, residual=True, layer_norm=False,
                  quant="static")
     assert pattern_name(steps) == "AllReduceBiasAddRMSNormQuant"
 
@@ -190,7 +190,7 @@ def _fuse_whole(patterns, trace=post_grad_pass_without_dynamo) -> None:
     fusion_pass = FusionPass(fusion_limit=16)
     graph = trace(module, x, x_other, residual, fusion_pass=fusion_pass)
     [sites] = fusion_pass.reports
-    expected = [p.__name__ for p in patterns for _ in range(p.branches)]
+    expected = [p.name for p in patterns for _ in range(p.branches)]
     assert [s.pattern if s.fused else f"not fused: {s.reason}" for s in sites] == expected
     fused = [n for n in graph.nodes if n.op == "call_function" and n.target in FUSED_OPS]
     assert len(fused) == n
@@ -205,7 +205,7 @@ def _fuse_whole(patterns, trace=post_grad_pass_without_dynamo) -> None:
                 steps.get("layer_norm", False), steps.get("norm_bias") is not None, quant,
                 steps.get("shared_expert") is not None)
         assert does == (pattern.bias, pattern.sum_norm, pattern.residual, pattern.layer_norm,
-                        pattern.layer_norm, pattern.quant, pattern.branches == 2), (pattern.__name__, steps)
+                        pattern.layer_norm, pattern.quant, pattern.branches == 2), (pattern.name, steps)
 
 
 # torch 2.11 (the GPU machine's image) drops the .to(bf16).float() between a norm whose weight is applied

@@ -181,7 +181,7 @@ class FusionPass(CustomGraphPass):
                     continue
                 reason = pattern.extra_check(match, self._token_bound, self._site_limit(match))
                 if reason is None:
-                    reports = [SiteReport(*_describe(n), True, pattern.__name__)
+                    reports = [SiteReport(*_describe(n), True, pattern.name)
                                for n in [node] + match.merged]
                     if str(match.tokens) in self.token_bounds:
                         _bounds_relied_on[self._tag].add(str(match.tokens))
@@ -189,7 +189,7 @@ class FusionPass(CustomGraphPass):
                     entries += [(report, None) for report in reports]
                     merged.update(match.merged)
                     break
-                refused = refused or (pattern.__name__, reason)
+                refused = refused or (pattern.name, reason)
             else:
                 pattern_name, reason = refused or (None, unmatched_reason(node))
                 entries.append((SiteReport(shape, dtype, group_name, False, pattern_name, reason), node))
@@ -217,9 +217,9 @@ class FusionPass(CustomGraphPass):
         if pattern is not None:
             reason = pattern.extra_check(match, self._token_bound, self._site_limit(match))
         if reason is not None:
-            return SiteReport(shape, dtype, group_name, False, pattern and pattern.__name__, reason), node
+            return SiteReport(shape, dtype, group_name, False, pattern and pattern.name, reason), node
         pattern.replace(node.graph, match)
-        return SiteReport(shape, dtype, group_name, True, pattern.__name__), None
+        return SiteReport(shape, dtype, group_name, True, pattern.name), None
 
     def _on_plain_all_reduce(self, graph: torch.fx.Graph, report: SiteReport, node: torch.fx.Node) -> SiteReport:
         """An all-reduce that no block end took in, on ``tpfuse.all_reduce`` where the kernels take it

@@ -7,13 +7,15 @@ norm optional, in this order)::
     x  = sum(experts * w, dim=1) (+ shared)          # a MoE finalize (matchers.match_finalize), or any x
     a  = wait_tensor(all_reduce(x, "sum", group))   # x: [..., H]
     a  = reshape(a, ...)                            # any views that keep rows of H (or none)
-    a  = a * x_scale                                # scale: a number (Gemma's embedding, Granite)
+    a  = a * x_scale                                # scaled: a number (Gemma's embedding, Granite)
     a  = a + bias                                   # bias: a row-parallel layer's [H] bias
     a  = a + (all-reduce of x_other (+ its bias))   # branches: two all-reduces of one group summed
     a  = rmsnorm(a) * sum_weight                    # sum_norm: Gemma 2/3's post-norm
     h  = a + residual | residual + a                # residual; may broadcast [S,H]+[1,S,H]
     y  = rmsnorm(h) * weight | layer_norm(h, weight, norm_bias)     # HF, gpt-fast and torch styles
     q  = fp8(y / scale) | fp8(y / s_g), s_g from amax per token or group   # quant: static | dynamic
+                                                    #   (s_g may be rounded up to a power of two: UE8M0;
+                                                    #   y may be read besides q: the op's normed copy)
 
 After::
 
@@ -23,9 +25,9 @@ After::
         # a second branch's x as shared_expert
     y, h = y2.reshape(y.shape), h2.reshape(h.shape)  # the caller's shapes; views of the sum reuse h
 
-:data:`PATTERNS` holds one class per combination of steps (:func:`combinations`), longest first, each
-named from its steps (``AllReduceBiasAddRMSNormQuant``). A class's ``search`` walks from an
-all-reduce node and returns a :class:`Match` (with a ``problem`` when the structure is there but
+:data:`PATTERNS` holds one :class:`FusionPattern` (a value) per combination of steps
+(:func:`combinations`), longest first, each named from its steps (``AllReduceBiasAddRMSNormQuant``;
+:data:`PATTERNS_BY_NAME`). A pattern's ``search`` walks from an all-reduce node and returns a :class:`Match` (with a ``problem`` when the structure is there but
 cannot be fused), ``extra_check`` returns why a match must not be fused (or None), ``replace``
 rewrites the graph, and ``example`` is the pattern in plain torch, for tests and documentation. Any
 eps value matches.
@@ -99,7 +101,7 @@ class Match:
     eps: float
     hidden: int
     residual: Node | None = None
-    scale: Node | None = None  # static fp8
+    quant_scale: Node | None = None  # static fp8: its scale
     internal: list[Node] = field(default_factory=list)  # may only be used inside the match
     aliases: list[Node] = field(default_factory=list)  # views of the sum before h: may have other users
     problem: str | None = None  # the structure matched but cannot be fused (why)
@@ -133,17 +135,23 @@ def token_limit_problem(tokens, token_bound, fusion_limit: int, how_to_bound: st
     return None
 
 
+@dataclass(frozen=True)
 class FusionPattern:
-    """Base of the pattern classes: a subclass says which steps its site has, each one required.
+    """A block end the pass fuses, as data: which steps its site has, each one required (one instance a
+    combination, :data:`PATTERNS`).
 
-    In the order they apply to the all-reduced sum: ``scale`` (multiplied by a number: Gemma's
+    In the order they apply to the all-reduced sum: ``scaled`` (multiplied by a number: Gemma's
     embedding), ``bias`` (a row-parallel layer's bias, in every branch), ``branches`` (2: the sum of
     two all-reduces of the same group, Phi / GPT-NeoX's parallel attention and MLP), ``sum_norm``
     (an RMSNorm of the sum before the residual add: Gemma 2/3), ``residual``, then RMSNorm or
     ``layer_norm``, then ``quant``: None, "static" (one fp8 scale) or "dynamic" (per token or group).
+    ``name`` reads the steps in order (:func:`pattern_name`); ``description`` says what the site is and
+    which models write it.
     """
 
-    scale: bool = False
+    name: str
+    description: str
+    scaled: bool = False
     bias: bool = False
     branches: int = 1
     sum_norm: bool = False
@@ -151,14 +159,13 @@ class FusionPattern:
     layer_norm: bool = False
     quant: str | None = None
 
-    @classmethod
-    def steps(cls) -> int:
+    @property
+    def length(self) -> int:
         """How many steps the pattern has: longer patterns are tried first."""
-        return (cls.scale + cls.bias + (cls.branches - 1) + cls.sum_norm + cls.residual + cls.layer_norm
-                + (cls.quant is not None))
+        return (self.scaled + self.bias + (self.branches - 1) + self.sum_norm + self.residual + self.layer_norm
+                + (self.quant is not None))
 
-    @classmethod
-    def search(cls, all_reduce: Node) -> Match | None:
+    def search(self, all_reduce: Node) -> Match | None:
         if not is_call(all_reduce, ALL_REDUCE):
             return None
         wait = only_user(all_reduce)
@@ -177,32 +184,32 @@ class FusionPattern:
             steps.extend(views)
             return views[-1]
 
-        if not cls.scale and cls.branches == 1:  # a number times the sum, a branch: x stays as it is
+        if not self.scaled and self.branches == 1:  # a number times the sum, a branch: x stays as it is
             m.finalize = match_finalize(x, hidden)
         cur = chain[-1]
-        if cls.scale:
+        if self.scaled:
             mul = only_user(cur)
             if not (is_call(mul, aten.mul.Tensor) and is_scalar(other_arg(mul, cur))):
                 return None
             m.x_scale = other_arg(mul, cur)
             cur = follow(mul)
-        if cls.bias:
+        if self.bias:
             cur, bias = bias_of(cur, hidden)
             if cur is None:
                 return None
             m.biases.append(bias)
             cur = follow(cur)
         residual_add = None
-        if cls.branches == 2:
+        if self.branches == 2:
 
             def branch_after(node: Node):  # (the add that node's only user is, the branch it adds or None)
                 add = only_user(node)
                 if not is_add(add):
                     return None, None
-                return add, match_branch(other_arg(add, node), group_name, reduce_op, hidden, cls.bias)
+                return add, match_branch(other_arg(add, node), group_name, reduce_op, hidden, self.bias)
 
             add, branch = branch_after(cur)
-            if add is not None and branch is None and cls.residual:  # (a + residual) + b: Cohere
+            if add is not None and branch is None and self.residual:  # (a + residual) + b: Cohere
                 m.residual = other_arg(add, cur)
                 m.problem = residual_problem(m.residual, add, meta_val(x), hidden)
                 residual_add, cur = add, follow(add)
@@ -214,14 +221,14 @@ class FusionPattern:
             m.biases += [bias] if bias is not None else []
             m.internal += nodes
             cur = follow(add)
-        if cls.sum_norm:
+        if self.sum_norm:
             norm = match_rmsnorm(cur)
             if norm is None:
                 return None
             out, m.sum_weight, sum_eps, nodes = norm
             steps += nodes + [out]
             cur = follow(out)
-        if cls.residual and residual_add is None:
+        if self.residual and residual_add is None:
             # The pre-add sum may have no other user (the op cannot provide it): extra_check says so.
             adds = [u for u in cur.users if is_add(u)]
             if len(adds) != 1:
@@ -236,29 +243,29 @@ class FusionPattern:
         else:
             m.internal += [n for n in steps if n is not cur]
         norm_input = row_views(cur, hidden)[-1]
-        if cls.layer_norm:
-            norm = match_layernorm(norm_input, quantised=bool(cls.quant))
+        if self.layer_norm:
+            norm = match_layernorm(norm_input, quantised=bool(self.quant))
             if norm is None:
                 return None
             out, m.weight, m.eps, m.norm_bias, nodes = norm
         else:
-            norm = match_rmsnorm(norm_input, quantised=bool(cls.quant))
+            norm = match_rmsnorm(norm_input, quantised=bool(self.quant))
             if norm is None:
                 return None
             out, m.weight, m.eps, nodes = norm
-        if cls.sum_norm and sum_eps != m.eps:
+        if self.sum_norm and sum_eps != m.eps:
             m.problem = m.problem or f"the post-norm's eps {sum_eps} differs from the norm's {m.eps}"
-        if cls.quant == "static":
+        if self.quant == "static":
             quant = match_static_fp8(out)
             if quant is None:
                 return None
-            q_out, m.scale, quant_nodes = quant
-        elif cls.quant == "dynamic":
+            q_out, m.quant_scale, quant_nodes = quant
+        elif self.quant == "dynamic":
             quant = match_dynamic_fp8(out, hidden)
             if quant is None:
                 return None
             q_out, m.scales, m.scale_group, m.ue8m0, quant_nodes = quant
-        if cls.quant:
+        if self.quant:
             # The norm's result read besides its quantisation (a normed row that also feeds something
             # else): the op writes it too, in the input's dtype (normed_copy).
             if any(u not in quant_nodes for u in out.users):
@@ -273,8 +280,7 @@ class FusionPattern:
         m.internal = list(dict.fromkeys([all_reduce] + m.merged + m.internal + nodes))
         return m
 
-    @classmethod
-    def extra_check(cls, m: Match, token_bound, fusion_limit: int) -> str | None:
+    def extra_check(self, m: Match, token_bound, fusion_limit: int) -> str | None:
         """Why ``m`` must stay unfused (a reason for the log), or None to fuse it.
 
         ``token_bound(tokens)`` gives the largest token count the graph runs this site with (or None
@@ -306,10 +312,11 @@ class FusionPattern:
                 return f"{what} is not a [hidden] tensor of the input's dtype or float32"
         if m.x_scale is not None and isinstance(m.x_scale, Node) and not meta_val(m.x_scale).is_floating_point():
             return "the sum is multiplied by an integer tensor"
-        if m.scale is not None and (meta_val(m.scale) is None or meta_val(m.scale).dtype != torch.float32
-                                    or meta_val(m.scale).numel() != 1):
+        if m.quant_scale is not None and (meta_val(m.quant_scale) is None
+                                          or meta_val(m.quant_scale).dtype != torch.float32
+                                          or meta_val(m.quant_scale).numel() != 1):
             return "the fp8 scale is not a float32 tensor of one element"
-        if meta_val(m.out).dtype != (fp8_of(m.out).dtype if cls.quant else x.dtype):
+        if meta_val(m.out).dtype != (fp8_of(m.out).dtype if self.quant else x.dtype):
             return "the norm's result dtype differs from the input's (e.g. an fp32 weight multiplied last)"
         allowed = set(m.internal) | {m.out, m.h} | ({m.scales, m.normed} - {None})
         for node in m.internal:
@@ -323,8 +330,7 @@ class FusionPattern:
                 return f"no input of the graph carries the sizes of {tuple(meta_val(node).shape)}"
         return token_limit_problem(m.tokens, token_bound, fusion_limit, "compile with tpfuse.compile")
 
-    @classmethod
-    def replace(cls, graph: Graph, m: Match) -> None:
+    def replace(self, graph: Graph, m: Match) -> None:
         """Rewrite the site to the fused op; the caller re-sorts the graph (``stable_topological_sort``)."""
         hidden = m.hidden
         call = graph_caller(graph, m.x)
@@ -353,24 +359,24 @@ class FusionPattern:
                 b = call(prims.convert_element_type.default, b, torch.float32) if len(m.biases) > 1 else b
                 bias = b if bias is None else call(aten.add.Tensor, bias, b)
             r2 = call(aten.reshape.default, m.residual, [-1, hidden]) if m.residual is not None else None
-            steps = {"bias": bias, "sum_weight": m.sum_weight, "layer_norm": cls.layer_norm,
+            steps = {"bias": bias, "sum_weight": m.sum_weight, "layer_norm": self.layer_norm,
                      "norm_bias": m.norm_bias, **finalize}
             if m.normed is not None or m.ue8m0:  # the op with every quantised output
                 op = torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default
-                fused = call(op, x2, r2, m.weight, m.eps, m.group_name, quant_scale=m.scale,
+                fused = call(op, x2, r2, m.weight, m.eps, m.group_name, quant_scale=m.quant_scale,
                              scale_group=m.scale_group, ue8m0_scales=m.ue8m0, normed_copy=m.normed is not None,
                              **steps)
                 y2, scales, h2, normed = (call(operator.getitem, fused, i) for i in range(4))
                 if m.normed is not None:
                     m.normed.replace_all_uses_with(call(aten.reshape.default, normed,
                                                         shape_args(meta_val(m.normed).shape)))
-            elif cls.quant == "dynamic":
+            elif self.quant == "dynamic":
                 op = torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default
                 fused = call(op, x2, r2, m.weight, m.eps, m.group_name, scale_group=m.scale_group, **steps)
                 y2, scales, h2 = (call(operator.getitem, fused, i) for i in range(3))
             else:
                 op = torch.ops.tpfuse.allreduce_add_rmsnorm.default
-                fused = call(op, x2, r2, m.weight, m.eps, m.group_name, quant_scale=m.scale, **steps)
+                fused = call(op, x2, r2, m.weight, m.eps, m.group_name, quant_scale=m.quant_scale, **steps)
                 y2, h2 = call(operator.getitem, fused, 0), call(operator.getitem, fused, 1)
             if m.scales is not None:
                 m.scales.replace_all_uses_with(call(aten.reshape.default, scales,
@@ -389,8 +395,7 @@ class FusionPattern:
             if not node.users:
                 graph.erase_node(node)
 
-    @classmethod
-    def example(cls, inputs: dict, eps: float, group=None):
+    def example(self, inputs: dict, eps: float, group=None):
         """The unfused pattern in plain torch (functional all-reduce, HF-style norms), from ``inputs``:
         ``x`` (and ``x_other`` with two branches), ``residual``, ``weight``, and where the pattern has
         them ``x_scale``, ``bias`` (and ``bias_other``), ``sum_weight``, ``norm_bias``, ``scale`` (static
@@ -403,26 +408,26 @@ class FusionPattern:
 
         def branch(part, bias):
             s = fc.all_reduce(part, "sum", group)
-            if cls.scale:
+            if self.scaled:
                 s = s * inputs["x_scale"]
-            return s + bias if cls.bias else s
+            return s + bias if self.bias else s
 
         h = branch(x, inputs.get("bias"))
-        if cls.branches == 2:
+        if self.branches == 2:
             h = h + branch(inputs["x_other"], inputs.get("bias_other"))
-        if cls.sum_norm:
+        if self.sum_norm:
             h = _example_rmsnorm(h, inputs["sum_weight"], eps, gemma=True)
-        if cls.residual:
+        if self.residual:
             h = h + inputs["residual"]
-        if cls.layer_norm:
+        if self.layer_norm:
             y = torch.nn.functional.layer_norm(h, (h.shape[-1],), inputs["weight"], inputs.get("norm_bias"),
                                                eps)
         else:
-            y = _example_rmsnorm(h, inputs["weight"], eps, gemma=cls.sum_norm)
-        if cls.quant == "static":
+            y = _example_rmsnorm(h, inputs["weight"], eps, gemma=self.sum_norm)
+        if self.quant == "static":
             fmt = fp8_format(y.device)  # the device's fp8, as the op gives it (targets.fp8_format)
             y = (y.float() / inputs["scale"]).clamp(-fmt.max, fmt.max).to(fmt.dtype)
-        elif cls.quant == "dynamic":
+        elif self.quant == "dynamic":
             y, scales = dynamic_fp8(y, inputs["scale_group"])
             return y, scales, h
         return y, h
@@ -532,7 +537,7 @@ QUANTS = (None, "static", "dynamic")
 
 
 def combinations() -> list[dict]:
-    """Every combination of steps the fused op runs, as a pattern's class attributes.
+    """Every combination of steps the fused op runs, as a pattern's fields.
 
     The kernels run any subset of bias, post-norm, residual, RMSNorm or LayerNorm, and no, static or
     dynamic fp8 (``kernels.block_end``); the all-reduced input may be multiplied by a number or be the
@@ -541,21 +546,21 @@ def combinations() -> list[dict]:
     the first branch only.
     """
     found = []
-    for scale, branches, bias, sum_norm, residual, layer_norm, quant in itertools.product(
+    for scaled, branches, bias, sum_norm, residual, layer_norm, quant in itertools.product(
             (False, True), (1, 2), (False, True), (False, True), (False, True), (False, True), QUANTS):
-        if scale and branches == 2:
+        if scaled and branches == 2:
             continue
-        found.append(dict(scale=scale, branches=branches, bias=bias, sum_norm=sum_norm, residual=residual,
+        found.append(dict(scaled=scaled, branches=branches, bias=bias, sum_norm=sum_norm, residual=residual,
                           layer_norm=layer_norm, quant=quant))
     return found
 
 
 def pattern_name(steps: dict) -> str:
-    """The class name of a combination, read in the order of its steps: ``TwoAllReducesBiasAddLayerNorm``,
+    """The name of a combination, read in the order of its steps: ``TwoAllReducesBiasAddLayerNorm``,
     ``AllReduceScaledPostNormAddRMSNormDynamicQuant``."""
     return "".join([
         "TwoAllReduces" if steps["branches"] == 2 else "AllReduce",
-        "Scaled" if steps["scale"] else "",
+        "Scaled" if steps["scaled"] else "",
         "Bias" if steps["bias"] else "",
         "PostNorm" if steps["sum_norm"] else "",
         "Add" if steps["residual"] else "",
@@ -583,26 +588,26 @@ _MODELS = {
 
 def _describe(steps: dict) -> str:
     parts = ["all-reduce + all-reduce" if steps["branches"] == 2 else "all-reduce"]
-    parts += ["* a number"] * steps["scale"] + ["+ bias"] * steps["bias"] + ["RMSNorm"] * steps["sum_norm"]
+    parts += ["* a number"] * steps["scaled"] + ["+ bias"] * steps["bias"] + ["RMSNorm"] * steps["sum_norm"]
     parts += ["+ residual"] * steps["residual"] + ["LayerNorm" if steps["layer_norm"] else "RMSNorm"]
     parts += {None: [], "static": ["static fp8"], "dynamic": ["fp8 with a scale per token or group"]}[
         steps["quant"]]
     return " -> ".join(parts)
 
 
-def _pattern_class(steps: dict) -> type[FusionPattern]:
+def _pattern(steps: dict) -> FusionPattern:
     name = pattern_name(steps)
     models = _MODELS.get(name)
-    doc = _describe(steps) + (f" ({models})." if models else ".")
-    return type(name, (FusionPattern,), {**steps, "__doc__": doc, "__module__": __name__})
+    return FusionPattern(name, _describe(steps) + (f" ({models})." if models else "."), **steps)
 
 
 # Longest first: a site that continues into more steps takes the larger pattern; of equal lengths, two
 # all-reduces first (else the sum of two, with no residual, would take the second as a residual and leave
 # its all-reduce apart); a stable sort: otherwise the order of ``combinations``.
-PATTERNS: list[type[FusionPattern]] = sorted((_pattern_class(s) for s in combinations()),
-                                             key=lambda pattern: (-pattern.steps(), -pattern.branches))
-globals().update({pattern.__name__: pattern for pattern in PATTERNS})  # patterns.AllReduceAddRMSNorm, ...
+PATTERNS: list[FusionPattern] = sorted((_pattern(s) for s in combinations()),
+                                       key=lambda pattern: (-pattern.length, -pattern.branches))
+#: The patterns by name (``AllReduceAddRMSNorm``, ...): what site reports, the README and users say.
+PATTERNS_BY_NAME: dict[str, FusionPattern] = {pattern.name: pattern for pattern in PATTERNS}
 
 
 def unmatched_reason(all_reduce: Node) -> str:

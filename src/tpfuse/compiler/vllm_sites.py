@@ -39,7 +39,7 @@ from torch.fx import Graph, Node
 from tpfuse.compiler.matchers import (
     converts_to, is_add, is_call, match_finalize, match_rmsnorm, meta_val, only_user, other_arg, prims, residual_problem,
 )
-from tpfuse.compiler.patterns import PATTERNS, FusionPattern, Match, site_problem
+from tpfuse.compiler.patterns import PATTERNS_BY_NAME, FusionPattern, Match, site_problem
 from tpfuse.compiler.sizes import describe_shape, static_int
 
 ALL_REDUCE = "vllm::all_reduce"
@@ -51,7 +51,6 @@ NORM = "vllm_ir::rms_norm"
 ADD_NORM_QUANT = "_C::fused_add_rms_norm_static_fp8_quant"  # result, input, residual, weight, scale, epsilon
 NORM_QUANT = "_C::rms_norm_static_fp8_quant"  # result, input, weight, scale, epsilon
 QUANT = "_C::static_scaled_fp8_quant"  # result, input, scale, group_shape
-_PATTERNS = {p.__name__: p for p in PATTERNS}
 
 
 def op_name(node: Node) -> str | None:
@@ -204,10 +203,10 @@ def _quantised_site(all_reduce: Node, group_name: str, hidden: int, fused: Node)
             return None, ("the all-reduce's result has users besides vLLM's fused_add_rms_norm_static_fp8_quant "
                           "(the fused op gives the sum only after the residual add)")
         return Match(all_reduce, x, group_name, "sum", _output(graph, fused, 2), _output(graph, fused, 1),
-                     kw["weight"], float(kw["epsilon"]), hidden, residual=kw["residual"], scale=kw["scale"],
+                     kw["weight"], float(kw["epsilon"]), hidden, residual=kw["residual"], quant_scale=kw["scale"],
                      internal=[all_reduce, fused]), None
     return Match(all_reduce, x, group_name, "sum", all_reduce, _output(graph, fused, 1), kw["weight"],
-                 float(kw["epsilon"]), hidden, scale=kw["scale"], internal=[fused]), None
+                 float(kw["epsilon"]), hidden, quant_scale=kw["scale"], internal=[fused]), None
 
 
 def _with_quant(match: Match) -> Match:
@@ -219,7 +218,7 @@ def _with_quant(match: Match) -> Match:
         return match
     _drop_unread_outputs(quant)
     match.internal = match.internal + [match.out, quant]
-    match.scale, match.out = quant.kwargs["scale"], _output(match.all_reduce.graph, quant, 1)
+    match.quant_scale, match.out = quant.kwargs["scale"], _output(match.all_reduce.graph, quant, 1)
     return match
 
 
@@ -255,7 +254,7 @@ def _native_site(all_reduce: Node, group_name: str, hidden: int) -> Match | None
                  residual=other.args[0], internal=own + [add] + internal)
 
 
-def pattern_of(match: Match) -> type[FusionPattern]:
+def pattern_of(match: Match) -> FusionPattern:
     """The pattern whose checks and replacement serve a vLLM site: with or without a residual and fp8."""
-    return _PATTERNS[f"AllReduce{'PostNorm' if match.sum_weight is not None else ''}"
-                     f"{'Add' if match.residual is not None else ''}RMSNorm{'Quant' if match.scale is not None else ''}"]
+    return PATTERNS_BY_NAME[f"AllReduce{'PostNorm' if match.sum_weight is not None else ''}"
+                     f"{'Add' if match.residual is not None else ''}RMSNorm{'Quant' if match.quant_scale is not None else ''}"]
