@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
-from tpfuse.testing import forced_table, fused_calls
-from tpfuse.testing.cases import Case, check_results
+from tpfuse.testing import cases_on_a_fresh_group, error_of
+from tpfuse.testing.cases import Case, check_case_runs
 
 pytestmark = pytest.mark.slow
 
@@ -24,30 +24,8 @@ KERNEL_CASES = 6  # the others' dtype takes the reference path
 
 
 def _moe_cases(rank, world_size, oneshot_max, with_communicator):
-    # A fresh group each time: a communicator of its own holds the 16 rows asked for (the default group's
-    # may have grown in the pool's earlier tests); without one, the reference path (or, at world size 1,
-    # the local kernel).
-    group, limit = dist.new_group(list(range(world_size))), None
-    if with_communicator:
-        comm = tpfuse.get_communicator(group, max_tokens=16, hidden=4096)
-        limit = comm.max_token_num(4096, torch.bfloat16)
-    outputs, stats = [], []
-    with forced_table(world_size, "cpu", oneshot_max=oneshot_max, hiddens=(64, 512, 1024, 2880, 4096)):
-        for case in CASES:
-            inputs = case.inputs(world_size)
-            x = inputs["xs"][rank].clone()
-            tpfuse.reset_stats()
-            outputs.append(case.call(inputs, rank, group=group))
-            assert torch.equal(x, inputs["xs"][rank]), "the fused call changed its experts' outputs"
-            stats.append(tpfuse.stats())
-    if with_communicator:
-        comm.destroy()
-    return {"outputs": outputs, "stats": stats, "limit": limit}
-
-
-def _check(world_size, results):
-    for i, case in enumerate(CASES):
-        check_results(case, world_size, [res["outputs"][i] for res in results])
+    return cases_on_a_fresh_group(rank, world_size, CASES, oneshot_max, with_communicator,
+                                  hiddens=(64, 512, 1024, 2880, 4096))
 
 
 # 3 ranks: the extended lane (CI's 10 minutes).
@@ -55,36 +33,21 @@ def _check(world_size, results):
 @pytest.mark.parametrize("algorithm, oneshot_max", [("oneshot", 4096), ("twoshot", 0)])
 def test_moe_finalize_matches_float64_on_every_rank(rank_pool, world_size, algorithm, oneshot_max):
     results = rank_pool(world_size).run(_moe_cases, oneshot_max, True)
-    _check(world_size, results)
-    for res in results:
-        kernel_stats = res["stats"][:KERNEL_CASES]
-        chunks = -(-40 // res["limit"])  # the 40 rows as calls of the workspace's rows
-        assert chunks > 1 and [fused_calls(s) for s in kernel_stats] == [1, 1, 1, 1, 1, chunks], kernel_stats
-        assert all(set(s) == {f"triton.{algorithm}"} for s in kernel_stats), kernel_stats
-        assert res["stats"][KERNEL_CASES] == {"reference": 1}
+    check_case_runs(world_size, CASES, results, KERNEL_CASES, algorithm, chunked=(5,))  # the 40 rows in parts
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_moe_finalize_without_a_communicator(rank_pool, world_size):
     """World size 1: the local kernel finalizes; 2 ranks: the group's own all-reduce of the parts."""
     results = rank_pool(world_size).run(_moe_cases, 4096, False)
-    _check(world_size, results)
-    expected = "triton.local" if world_size == 1 else "reference"
-    for res in results:
-        assert all(s == {expected: 1} for s in res["stats"][:KERNEL_CASES]), res["stats"]
+    check_case_runs(world_size, CASES, results, KERNEL_CASES, "local" if world_size == 1 else "reference")
 
 
 def _one_rank_finalizes(rank, world_size):
     comm = tpfuse.get_communicator(max_tokens=16, hidden=4096)
     weight = torch.ones(64, dtype=torch.bfloat16)
     x = torch.randn(2, 3, 64).to(torch.bfloat16) if rank == 0 else torch.randn(2, 64).to(torch.bfloat16)
-    try:
-        tpfuse.allreduce_add_rmsnorm(x, None, weight, 1e-6)
-    except RuntimeError as exc:
-        return str(exc)
-    finally:
-        comm.destroy()  # unusable after a failed call: the pool's next test makes a new one
-    return None
+    return error_of(lambda: tpfuse.allreduce_add_rmsnorm(x, None, weight, 1e-6), comm)
 
 
 def test_ranks_whose_calls_differ_get_an_error(rank_pool):

@@ -5,12 +5,11 @@ local kernel), the reference path, ranks whose calls differ, bad input."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import tpfuse
 from tpfuse.kernels import formats
-from tpfuse.testing import forced_table, fused_calls
-from tpfuse.testing.cases import Case, check_results
+from tpfuse.testing import cases_on_a_fresh_group, error_of
+from tpfuse.testing.cases import Case, check_case_runs
 
 pytestmark = pytest.mark.slow
 
@@ -29,26 +28,8 @@ OVER_WORKSPACE = (7, 8)
 
 
 def _quantised_cases(rank, world_size, oneshot_max, with_communicator):
-    # A fresh group: a communicator of its own holds the 16 rows asked for (see test_moe_finalize.py).
-    group, limit = dist.new_group(list(range(world_size))), None
-    if with_communicator:
-        comm = tpfuse.get_communicator(group, max_tokens=16, hidden=4096)
-        limit = comm.max_token_num(4096, torch.bfloat16)
-    outputs, stats = [], []
-    with forced_table(world_size, "cpu", oneshot_max=oneshot_max, hiddens=(512, 1024, 2048, 2880, 4096)):
-        for case in CASES:
-            inputs = case.inputs(world_size)
-            tpfuse.reset_stats()
-            outputs.append(case.call(inputs, rank, group=group))
-            stats.append(tpfuse.stats())
-    if with_communicator:
-        comm.destroy()
-    return {"outputs": outputs, "stats": stats, "limit": limit}
-
-
-def _check(world_size, results):
-    for i, case in enumerate(CASES):
-        check_results(case, world_size, [res["outputs"][i] for res in results])
+    return cases_on_a_fresh_group(rank, world_size, CASES, oneshot_max, with_communicator,
+                                  hiddens=(512, 1024, 2048, 2880, 4096))
 
 
 # 3 ranks: the extended lane (CI's 10 minutes).
@@ -56,24 +37,14 @@ def _check(world_size, results):
 @pytest.mark.parametrize("algorithm, oneshot_max", [("oneshot", 4096), ("twoshot", 0)])
 def test_quantised_outputs_match_float64_on_every_rank(rank_pool, world_size, algorithm, oneshot_max):
     results = rank_pool(world_size).run(_quantised_cases, oneshot_max, True)
-    _check(world_size, results)
-    for res in results:
-        kernel_stats = res["stats"][:KERNEL_CASES]
-        chunks = -(-40 // res["limit"])
-        expected = [chunks if i in OVER_WORKSPACE else 1 for i in range(KERNEL_CASES)]
-        assert chunks > 1 and [fused_calls(s) for s in kernel_stats] == expected, kernel_stats
-        assert all(set(s) == {f"triton.{algorithm}"} for s in kernel_stats), kernel_stats
-        assert res["stats"][KERNEL_CASES] == {"reference": 1}
+    check_case_runs(world_size, CASES, results, KERNEL_CASES, algorithm, chunked=OVER_WORKSPACE)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_quantised_outputs_without_a_communicator(rank_pool, world_size):
     """World size 1: the local kernel; 2 ranks: the group's own all-reduce, then the torch reference."""
     results = rank_pool(world_size).run(_quantised_cases, 4096, False)
-    _check(world_size, results)
-    expected = "triton.local" if world_size == 1 else "reference"
-    for res in results:
-        assert all(s == {expected: 1} for s in res["stats"][:KERNEL_CASES]), res["stats"]
+    check_case_runs(world_size, CASES, results, KERNEL_CASES, "local" if world_size == 1 else "reference")
 
 
 def test_padding_is_zero_and_layouts_are_what_gemms_read():
@@ -102,14 +73,8 @@ def test_padding_is_zero_and_layouts_are_what_gemms_read():
 def _one_rank_quantises_otherwise(rank, world_size):
     comm = tpfuse.get_communicator(max_tokens=16, hidden=4096)
     x, weight = torch.randn(2, 256).to(torch.bfloat16), torch.ones(256, dtype=torch.bfloat16)
-    try:
-        tpfuse.allreduce_add_rmsnorm_quant(x, None, weight, 1e-6, output="mxfp4" if rank == 0 else "fp8",
-                                           scale_group=None if rank == 0 else 32)
-    except RuntimeError as exc:
-        return str(exc)
-    finally:
-        comm.destroy()
-    return None
+    return error_of(lambda: tpfuse.allreduce_add_rmsnorm_quant(
+        x, None, weight, 1e-6, output="mxfp4" if rank == 0 else "fp8", scale_group=None if rank == 0 else 32), comm)
 
 
 def test_ranks_whose_calls_differ_get_an_error(rank_pool):

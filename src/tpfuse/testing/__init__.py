@@ -97,3 +97,45 @@ def forced_table(world_size: int, device, oneshot_max: int, fused_max: int = 409
         finally:
             del os.environ["TPFUSE_TUNE_TABLE"]
             select.reload_tables()
+
+
+def cases_on_a_fresh_group(rank: int, world_size: int, cases: list, oneshot_max: int, with_communicator: bool,
+                           hiddens: tuple[int, ...]) -> dict:
+    """Run a rank's ``cases`` (``testing.cases.Case``) through the public API on a new group of every
+    rank: ``{"outputs", "stats" (one a case), "limit"}``. With a communicator of its own, of 16 rows of
+    4096 (the default group's may have grown in the pool's earlier tests), destroyed after; without one
+    the reference path (or, at world size 1, the local kernel). ``oneshot_max`` and ``hiddens`` force
+    the algorithm table (:func:`forced_table`). A call that changes its ``x`` fails."""
+    import torch
+    import torch.distributed as dist
+
+    import tpfuse
+
+    group, limit, comm = dist.new_group(list(range(world_size))), None, None
+    if with_communicator:
+        comm = tpfuse.get_communicator(group, max_tokens=16, hidden=4096)
+        limit = comm.max_token_num(4096, torch.bfloat16)
+    outputs, stats = [], []
+    with forced_table(world_size, "cpu", oneshot_max=oneshot_max, hiddens=hiddens):
+        for case in cases:
+            inputs = case.inputs(world_size)
+            x = inputs["xs"][rank].clone()
+            tpfuse.reset_stats()
+            outputs.append(case.call(inputs, rank, group=group))
+            assert torch.equal(x, inputs["xs"][rank]), f"{case}: the call changed its x"
+            stats.append(tpfuse.stats())
+    if comm is not None:
+        comm.destroy()
+    return {"outputs": outputs, "stats": stats, "limit": limit}
+
+
+def error_of(call, comm) -> str | None:
+    """The message of the RuntimeError ``call()`` raises (None if it returns); ``comm`` destroyed after,
+    as a failed call leaves it unusable (the rank pool's next test makes a new one)."""
+    try:
+        call()
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        comm.destroy()
+    return None

@@ -253,3 +253,25 @@ def _fp4_checks(epilogue: Epilogue, y: torch.Tensor, scales: torch.Tensor, y_ref
     value_ok = (decoded - v).abs() <= step / 2 + 1e-2 * v.abs() + 1e-6
     return [("fp4 scales", scale_ok.double(), torch.ones_like(got_scales)),
             ("fp4 y", value_ok.double(), torch.ones_like(v))]
+
+
+def check_case_runs(world_size: int, cases: list[Case], results: list[dict], kernel_cases: int, route: str,
+                    chunked: tuple[int, ...] = ()) -> None:
+    """Every rank's outputs of ``testing.cases_on_a_fresh_group`` against float64 (:func:`check_results`)
+    and how each call ran: the first ``kernel_cases`` by ``route`` (``"oneshot"`` / ``"twoshot"``: one
+    fused call each, or one a ``limit`` of rows for the cases at ``chunked``; ``"local"``; or
+    ``"reference"``), the others on the reference path."""
+    from tpfuse.testing import fused_calls
+
+    for i, case in enumerate(cases):
+        check_results(case, world_size, [res["outputs"][i] for res in results])
+    for res in results:
+        ran, rest = res["stats"][:kernel_cases], res["stats"][kernel_cases:]
+        if route in ("oneshot", "twoshot"):
+            chunks = -(-max(cases[i].tokens for i in chunked) // res["limit"]) if chunked else 1
+            assert chunks > 1 or not chunked, (chunks, res["limit"])
+            assert [fused_calls(s) for s in ran] == [chunks if i in chunked else 1 for i in range(kernel_cases)], ran
+            assert all(set(s) == {f"triton.{route}"} for s in ran), ran
+        else:
+            assert all(s == {("triton.local" if route == "local" else "reference"): 1} for s in ran), ran
+        assert all(s == {"reference": 1} for s in rest), rest
