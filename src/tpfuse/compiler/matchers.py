@@ -99,9 +99,44 @@ def is_row_vector(node: object, hidden: int) -> bool:
             and val.numel() == hidden)
 
 
-def match_rmsnorm(h: Node, quantised: bool = False, dtype: torch.dtype | None = None,
-                  ) -> tuple[Node, Node, float, list[Node]] | None:
-    """(out, weight, eps, internal nodes) of an RMSNorm of ``h`` in any supported style, or None.
+class Norm(NamedTuple):
+    """A norm found by :func:`match_rmsnorm` / :func:`match_layernorm` (LayerNorm's first four)."""
+
+    out: Node  # the norm's result (with the weight, and LayerNorm's bias)
+    weight: Node
+    eps: float
+    nodes: list[Node]  # the norm's own nodes
+
+
+class LayerNorm(NamedTuple):
+    """A LayerNorm found by :func:`match_layernorm`."""
+
+    out: Node
+    weight: Node
+    eps: float
+    bias: object  # its bias (a node), or None
+    nodes: list[Node]
+
+
+class StaticFp8(NamedTuple):
+    """A static fp8 quantisation found by :func:`match_static_fp8`."""
+
+    out: Node  # the fp8 result
+    scale: Node  # the one float32 scale
+    nodes: list[Node]
+
+
+class Branch(NamedTuple):
+    """The second all-reduce of a sum of two, found by :func:`match_branch`."""
+
+    all_reduce: Node
+    nodes: list[Node]  # the views and add between it and the sum
+    bias: object  # its bias, or None
+    copies: int  # copies of the rows its tensor holds, summed after it (1: none)
+
+
+def match_rmsnorm(h: Node, quantised: bool = False, dtype: torch.dtype | None = None) -> Norm | None:
+    """The RMSNorm of ``h`` (:class:`Norm`) in any supported style, or None.
     ``quantised``: fp8 follows, and ``out`` may be the fp32 result (see :func:`_cast_back`). ``dtype``:
     the activations' dtype when ``h`` is an fp32 row the norm reads as it is (vLLM's native norm adds
     the residual in fp32); by default ``h``'s own, which the norm casts to fp32 first."""
@@ -136,12 +171,12 @@ def match_rmsnorm(h: Node, quantised: bool = False, dtype: torch.dtype | None = 
             if back is not None and len(normed.users) == 1:  # HF / gpt-fast: cast back, then the weight
                 out = only_user(back)
                 if is_call(out, aten.mul.Tensor):
-                    return out, other_arg(out, back), float(add_eps.args[1]), internal + [back]
+                    return Norm(out, other_arg(out, back), float(add_eps.args[1]), internal + [back])
             scaled = only_user(normed)  # torch rms_norm, Gemma: the weight in fp32, then cast back
             if is_call(scaled, aten.mul.Tensor):
                 out = _cast_back(scaled, dtype, quantised)
                 if out is not None:
-                    return out, other_arg(scaled, normed), float(add_eps.args[1]), internal + [scaled]
+                    return Norm(out, other_arg(scaled, normed), float(add_eps.args[1]), internal + [scaled])
     return None
 
 
@@ -172,7 +207,7 @@ def _last_dim(dims, node: Node) -> bool:
     return list(dims) in ([-1], [meta_val(node).dim() - 1])
 
 
-def match_layernorm(h: Node, quantised: bool = False) -> tuple[Node, Node, float, object, list[Node]] | None:
+def match_layernorm(h: Node, quantised: bool = False) -> LayerNorm | None:
     """(out, weight, eps, bias or None, internal nodes) of a LayerNorm of ``h``, or None. Two styles:
     Inductor's decomposition of ``nn.LayerNorm`` / ``F.layer_norm`` (``var_mean`` in fp32), and the
     hand-written one of Cohere (``mean``, ``(c - mean) ** 2``, ``mean``); then the weight, an optional
@@ -194,7 +229,7 @@ def match_layernorm(h: Node, quantised: bool = False) -> tuple[Node, Node, float
                 internal.append(after)
             out = _cast_back(last, meta_val(h).dtype, quantised)
             if out is not None:
-                return out, other_arg(scaled, normed), float(add_eps.args[1]), bias, internal
+                return LayerNorm(out, other_arg(scaled, normed), float(add_eps.args[1]), bias, internal)
     return None
 
 
@@ -235,8 +270,8 @@ def _layernorm_statistics(c: Node) -> list[_Statistics]:
     return found
 
 
-def match_static_fp8(y: Node, div: Node | None = None) -> tuple[Node, Node, list[Node]] | None:
-    """(out, scale, internal nodes) of ``clamp(y.float() / scale, -448, 448).to(fp8)``, or None; on a
+def match_static_fp8(y: Node, div: Node | None = None) -> StaticFp8 | None:
+    """``clamp(y.float() / scale, -448, 448).to(fp8)`` (:class:`StaticFp8`), or None; on a
     device whose fp8 is float8_e4m3fnuz (gfx942), ``clamp(..., -240, 240).to(float8_e4m3fnuz)``.
     ``div``: the division to start from, when ``y`` has other users (dynamic fp8)."""
     fmt = fp8_of(y)
@@ -258,7 +293,7 @@ def match_static_fp8(y: Node, div: Node | None = None) -> tuple[Node, Node, list
     out = convert_to(cur, fmt.dtype) if len(cur.users) == 1 else None
     if out is None:
         return None
-    return out, div.args[1], ([start] if start is not y else []) + nodes
+    return StaticFp8(out, div.args[1], ([start] if start is not y else []) + nodes)
 
 
 def bias_of(node: Node, hidden: int) -> tuple[Node | None, object]:
@@ -269,9 +304,9 @@ def bias_of(node: Node, hidden: int) -> tuple[Node | None, object]:
     return None, None
 
 
-def match_branch(node: object, group_name: str, reduce_op: str, hidden: int, with_bias: bool):
-    """(all-reduce, nodes, bias, copies) when ``node`` is another all-reduce of the same group (+ its bias,
-    views between), the second term of a sum of two; else None. ``copies`` > 1: the all-reduced tensor
+def match_branch(node: object, group_name: str, reduce_op: str, hidden: int, with_bias: bool) -> Branch | None:
+    """The :class:`Branch` when ``node`` is another all-reduce of the same group (+ its bias, views
+    between), the second term of a sum of two; else None. ``copies`` > 1: the all-reduced tensor
     holds that many copies of the rows, summed after it (Llama 4's experts: ``[E * T, H]`` viewed as
     ``[E, T, H]``, then ``.sum(0)``), which the fusion sums before the all-reduce instead."""
     nodes, bias, copies = [], None, 1
@@ -300,7 +335,7 @@ def match_branch(node: object, group_name: str, reduce_op: str, hidden: int, wit
     reduce = node.args[0]
     if not (is_call(reduce, ALL_REDUCE) and tuple(reduce.args[1:3]) == (reduce_op, group_name)):
         return None
-    return reduce, nodes + [node], bias, copies
+    return Branch(reduce, nodes + [node], bias, copies)
 
 
 class DynamicFp8(NamedTuple):
