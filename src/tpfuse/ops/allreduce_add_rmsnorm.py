@@ -34,9 +34,9 @@ from tpfuse.ops.route import group_name_of, route_of
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _output_dtype(x: torch.Tensor, steps: Epilogue) -> torch.dtype:
+def _output_dtype(x: torch.Tensor, epilogue: Epilogue) -> torch.dtype:
     """y's dtype: x's, or the fp8 of x's device (float8_e4m3fnuz on gfx942, else float8_e4m3fn)."""
-    return fp8_format(x.device).dtype if steps.fp8_output else x.dtype
+    return fp8_format(x.device).dtype if epilogue.fp8_output else x.dtype
 
 
 def check_inputs(
@@ -44,7 +44,7 @@ def check_inputs(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
-    steps: Epilogue = block_end.PLAIN,
+    epilogue: Epilogue = block_end.PLAIN,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
 ) -> None:
@@ -59,7 +59,7 @@ def check_inputs(
     if dtype not in INPUT_DTYPES:
         raise TypeError(f"x has dtype {dtype}; supported: bfloat16, float16, float32")
     if len(shape) != 2:
-        _check_experts(x, steps)
+        _check_experts(x, epilogue)
         shape = torch.Size((shape[0], shape[2]))  # the rows a MoE finalize makes of x [T, K, H]
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
@@ -69,35 +69,35 @@ def check_inputs(
                                      residual.shape == shape and residual.is_contiguous() and
                                      residual.device == device):
         _check_like_x("residual", residual, shape, device, dtype)
-    if steps.normed and not (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.shape[0] == shape[1]
+    if epilogue.normed and not (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.shape[0] == shape[1]
                              and (weight.dtype is dtype or weight.dtype is torch.float32)
                              and weight.is_contiguous() and weight.device == device):
         if weight is None:
             raise TypeError("weight must be a tensor (the RMSNorm gain), got None")
         _check_row("weight", weight, shape, dtype, device)
-    if steps is not block_end.PLAIN:
-        _check_steps(x, shape, steps, device)
+    if epilogue is not block_end.PLAIN:
+        _check_block_end(x, shape, epilogue, device)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if out is None and residual_out is None:
         return
     if out is not None:
-        _check_like_x("out", out, shape, device, _output_dtype(x, steps),
-                      " (the fp8 format of this device)" if steps.fp8_output else "")
+        _check_like_x("out", out, shape, device, _output_dtype(x, epilogue),
+                      " (the fp8 format of this device)" if epilogue.fp8_output else "")
     if residual_out is not None:
         _check_like_x("residual_out", residual_out, shape, device, x.dtype)
     if out is not None and residual_out is not None and _overlap(out, residual_out):
         raise ValueError("out and residual_out share memory; y and h must go to separate tensors")
 
 
-def _check_experts(x: torch.Tensor, steps: Epilogue) -> None:
+def _check_experts(x: torch.Tensor, epilogue: Epilogue) -> None:
     """A 3-D x: the [T, K, H] outputs of a MoE block's experts, with ``experts`` K."""
     if len(x.shape) != 3:
         raise ValueError(f"x must be 2-D [tokens, hidden] (or [tokens, K, hidden] for a MoE finalize), got shape "
                          f"{tuple(x.shape)}")
-    if steps.experts != x.shape[1]:
+    if epilogue.experts != x.shape[1]:
         raise ValueError(f"x has shape {tuple(x.shape)}, the outputs of {x.shape[1]} experts a token: pass "
-                         f"experts={x.shape[1]} (got {steps.experts})")
+                         f"experts={x.shape[1]} (got {epilogue.experts})")
 
 
 def _check_like_x(name: str, t, shape: torch.Size, device: torch.device, dtype: torch.dtype,
@@ -130,29 +130,29 @@ def _check_row(name: str, t, shape: torch.Size, dtype: torch.dtype, device: torc
         raise ValueError(f"{name} is on {t.device} but x is on {device}")
 
 
-def _check_steps(x: torch.Tensor, shape: torch.Size, steps: Epilogue, device: torch.device) -> None:
+def _check_block_end(x: torch.Tensor, shape: torch.Size, epilogue: Epilogue, device: torch.device) -> None:
     """The block end's tensors and how its steps combine (``shape``: the call's rows, [T, H])."""
-    for name, t in (("bias", steps.bias), ("sum_weight", steps.sum_weight), ("norm_bias", steps.norm_bias)):
+    for name, t in (("bias", epilogue.bias), ("sum_weight", epilogue.sum_weight), ("norm_bias", epilogue.norm_bias)):
         if t is not None:
             _check_row(name, t, shape, x.dtype, device)
-    if steps.norm_bias is not None and not steps.layer_norm:
+    if epilogue.norm_bias is not None and not epilogue.layer_norm:
         raise ValueError("norm_bias is LayerNorm's bias: pass layer_norm=True with it")
-    if steps.experts and x.dim() != 3:
-        _check_experts(x, steps)
-    if steps.topk_weights is not None:
-        _check_topk_weights(steps.topk_weights, x, device)
-    if steps.shared_expert is not None:
-        _check_like_x("shared_expert", steps.shared_expert, shape, device, x.dtype)
-    group, hidden = steps.scale_group, shape[1]
+    if epilogue.experts and x.dim() != 3:
+        _check_experts(x, epilogue)
+    if epilogue.topk_weights is not None:
+        _check_topk_weights(epilogue.topk_weights, x, device)
+    if epilogue.shared_expert is not None:
+        _check_like_x("shared_expert", epilogue.shared_expert, shape, device, x.dtype)
+    group, hidden = epilogue.scale_group, shape[1]
     if group:
         power_of_two = group >= 8 and group & (group - 1) == 0
         if not (group == hidden or (power_of_two and hidden % group == 0)):
             raise ValueError(f"scale_group {group} must be the hidden size {hidden} (a scale per token) or "
                              "a power of two >= 8 that divides it")
-        if steps.quant_scale is not None:
+        if epilogue.quant_scale is not None:
             raise ValueError("quant_scale (static fp8) and a dynamic fp8 scale_group exclude each other")
     for name in ("quant_scale", "global_scale"):
-        scale = getattr(steps, name)
+        scale = getattr(epilogue, name)
         if scale is None:
             continue
         if not isinstance(scale, torch.Tensor):
@@ -161,33 +161,33 @@ def _check_steps(x: torch.Tensor, shape: torch.Size, steps: Epilogue, device: to
             raise ValueError(f"{name} must be a float32 tensor of one element")
         if scale.device != device:
             raise ValueError(f"{name} is on {scale.device} but x is on {device}")
-    if steps.fp4 != block_end.FP4_NONE or steps.normed_copy or steps.ue8m0_scales \
-            or steps.scale_layout != block_end.SCALES_ROWS:
-        _check_quantised_output(steps, hidden)
+    if epilogue.fp4 != block_end.FP4_NONE or epilogue.normed_copy or epilogue.ue8m0_scales \
+            or epilogue.scale_layout != block_end.SCALES_ROWS:
+        _check_quantised_output(epilogue, hidden)
 
 
-def _check_quantised_output(steps: Epilogue, hidden: int) -> None:
+def _check_quantised_output(epilogue: Epilogue, hidden: int) -> None:
     """How fp4, UE8M0 scales, scale layouts and the norm's copy combine with the rest of the block end."""
-    if steps.fp4 not in (block_end.FP4_NONE, block_end.FP4_NVFP4, block_end.FP4_MXFP4):
-        raise ValueError(f"fp4 must be FP4_NVFP4 or FP4_MXFP4, got {steps.fp4!r}")
-    if steps.fp4 != block_end.FP4_NONE:
-        group = block_end.FP4_GROUP[steps.fp4]
-        name = "NVFP4" if steps.fp4 == block_end.FP4_NVFP4 else "MXFP4"
+    if epilogue.fp4 not in (block_end.FP4_NONE, block_end.FP4_NVFP4, block_end.FP4_MXFP4):
+        raise ValueError(f"fp4 must be FP4_NVFP4 or FP4_MXFP4, got {epilogue.fp4!r}")
+    if epilogue.fp4 != block_end.FP4_NONE:
+        group = block_end.FP4_GROUP[epilogue.fp4]
+        name = "NVFP4" if epilogue.fp4 == block_end.FP4_NVFP4 else "MXFP4"
         if hidden % group:
             raise ValueError(f"{name} scales {group} elements each: the hidden size {hidden} must be a multiple of "
                              f"{group}")
-        if steps.fp8_output:
+        if epilogue.fp8_output:
             raise ValueError(f"{name} output excludes fp8 output (quant_scale, scale_group)")
-        if (steps.global_scale is None) != (steps.fp4 == block_end.FP4_MXFP4):
+        if (epilogue.global_scale is None) != (epilogue.fp4 == block_end.FP4_MXFP4):
             raise ValueError("NVFP4 takes a global_scale (float32, one element); MXFP4 takes none")
-    elif steps.global_scale is not None:
+    elif epilogue.global_scale is not None:
         raise ValueError("global_scale is NVFP4's: pass fp4=NVFP4 with it")
-    if steps.scale_layout not in (block_end.SCALES_ROWS, block_end.SCALES_COLUMNS, block_end.SCALES_PACKED_UE8M0):
+    if epilogue.scale_layout not in (block_end.SCALES_ROWS, block_end.SCALES_COLUMNS, block_end.SCALES_PACKED_UE8M0):
         raise ValueError(f"scale_layout must be SCALES_ROWS, SCALES_COLUMNS or SCALES_PACKED_UE8M0, got "
-                         f"{steps.scale_layout!r}")
-    if (steps.ue8m0_scales or steps.scale_layout != block_end.SCALES_ROWS) and steps.scale_group <= 0:
+                         f"{epilogue.scale_layout!r}")
+    if (epilogue.ue8m0_scales or epilogue.scale_layout != block_end.SCALES_ROWS) and epilogue.scale_group <= 0:
         raise ValueError("ue8m0_scales and scale_layout place dynamic fp8 scales: they need a scale_group")
-    if steps.normed_copy and not steps.quantised:
+    if epilogue.normed_copy and not epilogue.quantised:
         raise ValueError("normed_copy writes the norm's output beside a quantised one: y is not quantised here")
 
 
@@ -215,30 +215,30 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         b0 < a0 + a.numel() * a.element_size()
 
 
-def _quantised_outputs(x: torch.Tensor, steps: Epilogue) -> tuple[torch.Tensor, ...]:
+def _quantised_outputs(x: torch.Tensor, epilogue: Epilogue) -> tuple[torch.Tensor, ...]:
     """(y, scales, h, normed) of a quantising call, empty: y fp8 [T, H] or fp4 codes [T, H / 2] (uint8),
     the scales in their format and layout (float32 [T, 0] where there are none), normed in x's dtype
     ([T, 0] without ``normed_copy``)."""
     n_tokens, hidden = x.shape[0], x.shape[-1]
-    if steps.fp4 != block_end.FP4_NONE:
+    if epilogue.fp4 != block_end.FP4_NONE:
         y = x.new_empty((n_tokens, hidden // 2), dtype=torch.uint8)
     else:
         y = _empty_rows(x, fp8_format(x.device).dtype)
-    scales = formats.empty_scales(steps, n_tokens, hidden, x.device)
+    scales = formats.empty_scales(epilogue, n_tokens, hidden, x.device)
     if scales is None:
         scales = x.new_empty((n_tokens, 0), dtype=torch.float32)
-    normed = _empty_rows(x) if steps.normed_copy else x.new_empty((n_tokens, 0))
+    normed = _empty_rows(x) if epilogue.normed_copy else x.new_empty((n_tokens, 0))
     return y, scales, _empty_rows(x), normed
 
 
-def _outputs(x: torch.Tensor, steps: Epilogue) -> tuple[torch.Tensor, torch.Tensor]:
+def _outputs(x: torch.Tensor, epilogue: Epilogue) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h), empty."""
-    return _empty_y(x, steps), _empty_rows(x)
+    return _empty_y(x, epilogue), _empty_rows(x)
 
 
-def _empty_y(x: torch.Tensor, steps: Epilogue) -> torch.Tensor:
+def _empty_y(x: torch.Tensor, epilogue: Epilogue) -> torch.Tensor:
     """y, empty: in x's dtype, or fp8 (an fp8 block end)."""
-    return _empty_rows(x, _output_dtype(x, steps) if steps.fp8_output else None)
+    return _empty_rows(x, _output_dtype(x, epilogue) if epilogue.fp8_output else None)
 
 
 def _empty_rows(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -265,39 +265,40 @@ _lib.define("all_reduce(Tensor x, str group_name) -> Tensor")
 SUM_ONLY = Epilogue(normed=False)
 
 
-def _functional(x, residual, weight, eps, group_name, **steps):
-    steps = Epilogue.of(steps)
-    check_inputs(x, residual, weight, eps, steps)
-    y, h = _outputs(x, steps)
-    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, steps))
+def _functional(x, residual, weight, eps, group_name, **step_args):
+    epilogue = Epilogue.of(step_args)
+    check_inputs(x, residual, weight, eps, epilogue)
+    y, h = _outputs(x, epilogue)
+    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, epilogue))
     return y, h
 
 
-def _out(x, residual, weight, eps, group_name, y, h, **steps):
-    steps = Epilogue.of(steps)
-    check_inputs(x, residual, weight, eps, steps, y, h)
-    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, steps))
+def _out(x, residual, weight, eps, group_name, y, h, **step_args):
+    epilogue = Epilogue.of(step_args)
+    check_inputs(x, residual, weight, eps, epilogue, y, h)
+    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, epilogue))
 
 
-def _dynamic_fp8(x, residual, weight, eps, group_name, **steps):
-    steps = Epilogue.of(steps)
-    check_inputs(x, residual, weight, eps, steps)
-    if steps.scale_group <= 0 or steps.fp4 != block_end.FP4_NONE or steps.normed_copy:
-        raise ValueError(f"scale_group must be a positive int (elements per scale), got {steps.scale_group}; "
+def _dynamic_fp8(x, residual, weight, eps, group_name, **step_args):
+    epilogue = Epilogue.of(step_args)
+    check_inputs(x, residual, weight, eps, epilogue)
+    if epilogue.scale_group <= 0 or epilogue.fp4 != block_end.FP4_NONE or epilogue.normed_copy:
+        raise ValueError(f"scale_group must be a positive int (elements per scale), got {epilogue.scale_group}; "
                          "fp4 and normed_copy: allreduce_add_rmsnorm_quant")
-    y, scales, h, _ = _quantised_outputs(x, steps)
-    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, steps, scales))
+    y, scales, h, _ = _quantised_outputs(x, epilogue)
+    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, epilogue, scales))
     return y, scales, h
 
 
-def _quant(x, residual, weight, eps, group_name, **steps):
-    steps = Epilogue.of(steps)
-    check_inputs(x, residual, weight, eps, steps)
-    if not steps.quantised:
+def _quant(x, residual, weight, eps, group_name, **step_args):
+    epilogue = Epilogue.of(step_args)
+    check_inputs(x, residual, weight, eps, epilogue)
+    if not epilogue.quantised:
         raise ValueError("allreduce_add_rmsnorm_quant quantises y: pass quant_scale, scale_group or fp4")
-    y, scales, h, normed = _quantised_outputs(x, steps)
-    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, steps, scales if scales.shape[1] else None,
-                   normed if steps.normed_copy else None))
+    y, scales, h, normed = _quantised_outputs(x, epilogue)
+    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, epilogue,
+                                       scales if scales.shape[1] else None,
+                                       normed if epilogue.normed_copy else None))
     return y, scales, h, normed
 
 
@@ -312,20 +313,20 @@ def _all_reduce_fake(x, group_name):
     return torch.empty_like(x)
 
 
-def _functional_fake(x, residual, weight, eps, group_name, **steps):
-    return _outputs(x, Epilogue.of(steps))
+def _functional_fake(x, residual, weight, eps, group_name, **step_args):
+    return _outputs(x, Epilogue.of(step_args))
 
 
-def _out_fake(x, residual, weight, eps, group_name, y, h, **steps):
+def _out_fake(x, residual, weight, eps, group_name, y, h, **step_args):
     return None
 
 
-def _dynamic_fp8_fake(x, residual, weight, eps, group_name, **steps):
-    return _quantised_outputs(x, Epilogue.of(steps))[:3]
+def _dynamic_fp8_fake(x, residual, weight, eps, group_name, **step_args):
+    return _quantised_outputs(x, Epilogue.of(step_args))[:3]
 
 
-def _quant_fake(x, residual, weight, eps, group_name, **steps):
-    return _quantised_outputs(x, Epilogue.of(steps))
+def _quant_fake(x, residual, weight, eps, group_name, **step_args):
+    return _quantised_outputs(x, Epilogue.of(step_args))
 
 
 for _name, _impl, _fake in (("allreduce_add_rmsnorm", _functional, _functional_fake),
@@ -366,8 +367,10 @@ def allreduce_add_rmsnorm(
     Computes ``h = sum_ranks(x) + residual`` and ``y = h * rsqrt(mean(h**2, -1) + eps) * weight``
     with fp32 accumulation; every rank gets bit-identical ``y`` and ``h``. The optional steps, in
     order: a MoE block's finalize before the sum (x [T, K, H] of the top-k experts' outputs, weighted
-    by ``topk_weights`` and summed, ``+ shared_expert``), ``+ bias`` right after the sum, ``rmsnorm(.) * sum_weight`` before the residual add
-    (Gemma 2/3), LayerNorm instead of RMSNorm for ``y`` (``layer_norm``, ``norm_bias``), fp8 ``y``.
+    by ``topk_weights`` and summed, ``+ shared_expert``), ``+ bias`` right after the sum,
+    ``rmsnorm(.) * sum_weight`` before the residual add (Gemma 2/3), LayerNorm instead of RMSNorm for
+    ``y`` (``layer_norm``, ``norm_bias``), fp8 ``y`` (every quantised form:
+    :func:`allreduce_add_rmsnorm_quant`).
 
     Parameters
     ----------
@@ -412,25 +415,25 @@ def allreduce_add_rmsnorm(
     """
     if (quant_scale is None and bias is None and sum_weight is None and not layer_norm and norm_bias is None
             and topk_weights is None and shared_expert is None and _experts(x) == 0):
-        steps = block_end.PLAIN  # the common call: no block end to build
+        epilogue = block_end.PLAIN  # the common call: no block end to build
     else:
-        steps = Epilogue(quant_scale, bias, sum_weight, layer_norm, norm_bias, experts=_experts(x),
+        epilogue = Epilogue(quant_scale, bias, sum_weight, layer_norm, norm_bias, experts=_experts(x),
                          topk_weights=topk_weights, shared_expert=shared_expert)
-    check_inputs(x, residual, weight, eps, steps, out, residual_out)
+    check_inputs(x, residual, weight, eps, epilogue, out, residual_out)
     group_name = group_name_of(group)
     if out is None and residual_out is None:
         if _through_the_op(x):
             return torch.ops.tpfuse.allreduce_add_rmsnorm(x, residual, weight, eps, group_name,
-                                                          **steps.kwargs())
-        y, h = _outputs(x, steps)
+                                                          **epilogue.kwargs())
+        y, h = _outputs(x, epilogue)
     else:
-        y = out if out is not None else _empty_y(x, steps)
+        y = out if out is not None else _empty_y(x, epilogue)
         h = residual_out if residual_out is not None else _empty_rows(x)
         if _through_the_op(x):
             torch.ops.tpfuse.allreduce_add_rmsnorm_out(x, residual, weight, eps, group_name, y, h,
-                                                       **steps.kwargs())
+                                                       **epilogue.kwargs())
             return y, h
-    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, steps))
+    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, epilogue))
     return y, h
 
 
@@ -464,16 +467,16 @@ def allreduce_add_rmsnorm_dynamic_fp8(
     scale_group = x.shape[-1] if scale_group is None and isinstance(x, torch.Tensor) else scale_group
     if isinstance(scale_group, bool) or not isinstance(scale_group, int) or scale_group <= 0:
         raise ValueError(f"scale_group must be a positive int (elements per scale), got {scale_group!r}")
-    steps = Epilogue(bias=bias, sum_weight=sum_weight, layer_norm=layer_norm, norm_bias=norm_bias,
+    epilogue = Epilogue(bias=bias, sum_weight=sum_weight, layer_norm=layer_norm, norm_bias=norm_bias,
                      scale_group=scale_group, experts=_experts(x), topk_weights=topk_weights,
                      shared_expert=shared_expert)
-    check_inputs(x, residual, weight, eps, steps)
+    check_inputs(x, residual, weight, eps, epilogue)
     group_name = group_name_of(group)
     if _through_the_op(x):
         return torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8(x, residual, weight, eps, group_name,
-                                                                  **steps.kwargs())
-    y, scales, h, _ = _quantised_outputs(x, steps)
-    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, steps, scales))
+                                                                  **epilogue.kwargs())
+    y, scales, h, _ = _quantised_outputs(x, epilogue)
+    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, epilogue, scales))
     return y, scales, h
 
 
@@ -562,18 +565,18 @@ def allreduce_add_rmsnorm_quant(
             raise ValueError(f"scale_group must be a positive int (elements per scale), got {scale_group!r}")
     elif scale_group is not None:
         raise ValueError("scale_group is dynamic fp8's: static fp8 (quant_scale) and fp4 have their own scales")
-    steps = Epilogue(quant_scale=quant_scale, bias=bias, sum_weight=sum_weight, layer_norm=layer_norm,
+    epilogue = Epilogue(quant_scale=quant_scale, bias=bias, sum_weight=sum_weight, layer_norm=layer_norm,
                      norm_bias=norm_bias, scale_group=scale_group or 0, experts=_experts(x),
                      topk_weights=topk_weights, shared_expert=shared_expert, normed_copy=normed_copy,
                      ue8m0_scales=ue8m0_scales, scale_layout=_SCALE_LAYOUTS[scale_layout], fp4=fp4,
                      global_scale=global_scale)
-    check_inputs(x, residual, weight, eps, steps)
+    check_inputs(x, residual, weight, eps, epilogue)
     group_name = group_name_of(group)
     if _through_the_op(x):
         y, scales, h, normed = torch.ops.tpfuse.allreduce_add_rmsnorm_quant(x, residual, weight, eps, group_name,
-                                                                           **steps.kwargs())
+                                                                           **epilogue.kwargs())
     else:
-        y, scales, h, normed = _quant(x, residual, weight, eps, group_name, **steps.kwargs())
+        y, scales, h, normed = _quant(x, residual, weight, eps, group_name, **epilogue.kwargs())
     return QuantizedOutputs(y, scales if scales.shape[-1] else None, h, normed if normed_copy else None)
 
 

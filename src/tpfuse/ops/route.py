@@ -115,7 +115,7 @@ class Route:
 
     def _run_reference(self, call: FusedCall) -> None:
         """The group's own all-reduce in fp32 (none at world size 1), then the block end in torch."""
-        x, steps, comm = call.x, call.epilogue, self.comm
+        x, epilogue, comm = call.x, call.epilogue, self.comm
         group = _group_by_name(self.group_name)
         checking = self.world_size > 1 and _checking(x.device)
         timeout = comm.wait_timeout_s if comm is not None else default_wait_timeout_s()
@@ -123,17 +123,17 @@ class Route:
             agreement.check_reference_call(group, group_device(group), call.describe(), timeout)
         if call.n_tokens == 0:
             return
-        reduced = rank_part(x, steps).to(torch.float32, copy=True)
+        reduced = rank_part(x, epilogue).to(torch.float32, copy=True)
         if self.world_size > 1:
             agreement.all_reduce(reduced, group, timeout if checking else None, "a reference-path all-reduce")
-        y, h, scales = add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype, steps)
+        y, h, scales = add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype, epilogue)
         call.y.copy_(y)
         call.h.copy_(h)
         if scales is not None:
             call.scales.copy_(scales)
         if call.normed is not None:
             call.normed.copy_(add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype,
-                                                    unquantised(steps))[0])
+                                                    unquantised(epilogue))[0])
         _stats.record("reference")
 
 

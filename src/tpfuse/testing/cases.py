@@ -12,7 +12,8 @@ import torch
 
 from tpfuse.kernels import formats
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.block_end import FP4_MXFP4, FP4_NONE, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0, SCALES_ROWS, Epilogue
+from tpfuse.kernels.block_end import (FP4_MXFP4, FP4_NONE, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0,
+                                      SCALES_ROWS, Epilogue)
 from tpfuse.kernels.reference import fused_reference_float64, rank_part, unquantised
 from tpfuse.kernels.targets import E4M3FN, E4M3FNUZ, fp8_format
 
