@@ -225,11 +225,14 @@ C_SCHEMAS = {
                                             "Tensor scale, float epsilon) -> ()"),
     "rms_norm_static_fp8_quant": "(Tensor(a!) result, Tensor input, Tensor weight, Tensor scale, float epsilon) -> ()",
     "static_scaled_fp8_quant": "(Tensor(a!) result, Tensor input, Tensor scale, int[]? group_shape=None) -> ()",
+    "per_token_group_fp8_quant": ("(Tensor input, Tensor(a!) output_q, Tensor(b!) output_s, int group_size, "
+                                  "float eps, float fp8_min, float fp8_max, bool scale_ue8m0, "
+                                  "bool dummy_is_scale_transposed, bool dummy_is_tma_aligned) -> ()"),
 }
 
 
 def _vllm_fp8_ops():
-    """vLLM's CUDA static-fp8 ops (the CPU build has none): stand-ins with their schemas, which write nothing."""
+    """vLLM's CUDA fp8 ops (the CPU build has none): stand-ins with their schemas, which write nothing."""
     for name, schema in C_SCHEMAS.items():
         if not hasattr(torch.ops._C, name):
             library = torch.library.Library("_C", "FRAGMENT")
@@ -301,3 +304,52 @@ def test_gemmas_post_norm_into_the_next_add_fuses_as_one_site():
     (fused,) = [n for n in graph.nodes if n.target is FUSED]
     assert fused.kwargs["sum_weight"] is not None and fused.args[1] is not None
     assert not [t for t in targets(graph) if str(t).startswith(("vllm::", "vllm_ir::"))]
+
+
+@pytest.mark.parametrize("form", ["rows", "columns", "ue8m0", "range of 224", "groups of 48"])
+def test_group_fp8_as_vllm_writes_it_fuses_whole(form):
+    """vLLM's ``per_token_group_fp8_quant`` after its norm (DeepSeek-V3's block fp8): one op with the
+    group, UE8M0 rounding and the scales' layout taken from vLLM's ``output_s``; a clamp or group the
+    op does not make stays vLLM's, saying why."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    all_reduce, add_norm, _ = _vllm_ops()
+    ops = _vllm_fp8_ops()
+    group = 48 if form == "groups of 48" else 16
+    fp8_max = 224.0 if form == "range of 224" else 448.0
+
+    def forward(x, weight):
+        residual = x * 2
+        out, h = add_norm(all_reduce(x, "tp:0"), residual, weight, EPS)
+        q = torch.empty_like(out, dtype=torch.float8_e4m3fn)
+        tokens, groups = out.shape[0], HIDDEN // group
+        if form == "columns":  # DeepGEMM's on Hopper: column-major, the tokens padded to 4
+            scales = torch.empty((groups, (tokens + 3) // 4 * 4), dtype=torch.float32).t()[:tokens]
+        else:
+            scales = torch.empty((tokens, groups), dtype=torch.float32)
+        _, q, scales = auto_functionalized(ops.per_token_group_fp8_quant.default, input=out, output_q=q,
+                                           output_s=scales, group_size=group, eps=1e-10, fp8_min=-fp8_max,
+                                           fp8_max=fp8_max, scale_ue8m0=form == "ue8m0",
+                                           dummy_is_scale_transposed=form == "columns", dummy_is_tma_aligned=False)
+        return q, scales, h
+
+    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16), torch.randn(HIDDEN, dtype=torch.bfloat16))
+    fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
+    fusion(graph)
+    (site,) = fusion.reports[-1]
+    if form in ("range of 224", "groups of 48"):
+        assert not site.fused and ("+-224" in site.reason if group == 16 else "groups of 48" in site.reason), site
+        return
+    assert site.fused and site.pattern == "AllReduceAddRMSNormDynamicQuant", site
+    left = [t for t in targets(graph) if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
+    assert left == [], left
+    fused = [n for n in graph.nodes if n.op == "call_function" and n.target in (
+        torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default, torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default)]
+    (op,) = fused
+    assert op.kwargs["scale_group"] == group
+    assert op.kwargs.get("ue8m0_scales", False) is (form == "ue8m0")
+    assert op.kwargs.get("scale_layout", 0) == (1 if form == "columns" else 0)
+    # The graph's scales output is the op's, with vLLM's layout (its strides).
+    outputs = next(n for n in graph.nodes if n.op == "output").args[0]
+    assert outputs[1].meta["val"].stride() == (
+        (1, 8) if form == "columns" else (HIDDEN // group, 1)), outputs[1].meta["val"].stride()

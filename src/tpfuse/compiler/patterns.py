@@ -115,6 +115,7 @@ class Match:
     scales: Node | None = None  # dynamic fp8: the node of the scales
     scale_group: int = 0  # dynamic fp8: elements per scale
     ue8m0: bool = False  # dynamic fp8: scales rounded up to powers of two
+    scale_layout: int = 0  # dynamic fp8: where the scales go (kernels.block_end.SCALES_*)
     normed: Node | None = None  # a quantised site's norm result, read besides the quantisation
     finalize: Finalize | None = None  # the MoE finalize that makes x, done in the op instead
 
@@ -361,11 +362,11 @@ class FusionPattern:
             r2 = call(aten.reshape.default, m.residual, [-1, hidden]) if m.residual is not None else None
             steps = {"bias": bias, "sum_weight": m.sum_weight, "layer_norm": self.layer_norm,
                      "norm_bias": m.norm_bias, **finalize}
-            if m.normed is not None or m.ue8m0:  # the op with every quantised output
+            if m.normed is not None or m.ue8m0 or m.scale_layout:  # the op with every quantised output
                 op = torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default
                 fused = call(op, x2, r2, m.weight, m.eps, m.group_name, quant_scale=m.quant_scale,
-                             scale_group=m.scale_group, ue8m0_scales=m.ue8m0, normed_copy=m.normed is not None,
-                             **steps)
+                             scale_group=m.scale_group, ue8m0_scales=m.ue8m0, scale_layout=m.scale_layout,
+                             normed_copy=m.normed is not None, **steps)
                 y2, scales, h2, normed = (call(operator.getitem, fused, i) for i in range(4))
                 if m.normed is not None:
                     m.normed.replace_all_uses_with(call(aten.reshape.default, normed,

@@ -37,10 +37,12 @@ import torch
 from torch.fx import Graph, Node
 
 from tpfuse.compiler.matchers import (
-    converts_to, is_add, is_call, match_finalize, match_rmsnorm, meta_val, only_user, other_arg, prims, residual_problem,
+    converts_to, fp8_of, is_add, is_call, match_finalize, match_rmsnorm, meta_val, only_user, other_arg, prims,
+    residual_problem,
 )
 from tpfuse.compiler.patterns import PATTERNS_BY_NAME, FusionPattern, Match, site_problem
 from tpfuse.compiler.sizes import describe_shape, static_int
+from tpfuse.kernels.block_end import SCALES_COLUMNS, SCALES_ROWS
 
 ALL_REDUCE = "vllm::all_reduce"
 ADD_NORM = "vllm_ir::fused_add_rms_norm"
@@ -51,6 +53,9 @@ NORM = "vllm_ir::rms_norm"
 ADD_NORM_QUANT = "_C::fused_add_rms_norm_static_fp8_quant"  # result, input, residual, weight, scale, epsilon
 NORM_QUANT = "_C::rms_norm_static_fp8_quant"  # result, input, weight, scale, epsilon
 QUANT = "_C::static_scaled_fp8_quant"  # result, input, scale, group_shape
+# vLLM's dynamic fp8 with a scale a group of elements (DeepSeek-V3's block fp8): input, output_q, output_s,
+# group_size, eps, fp8_min, fp8_max, scale_ue8m0 (and layout hints); output_s's strides give the layout.
+GROUP_QUANT = "_C::per_token_group_fp8_quant"
 
 
 def op_name(node: Node) -> str | None:
@@ -210,9 +215,11 @@ def _quantised_site(all_reduce: Node, group_name: str, hidden: int, fused: Node)
 
 
 def _with_quant(match: Match) -> Match:
-    """``match`` continued into the static fp8 quantisation of its output, where vLLM's custom quant op
-    (one scale for the tensor) is the output's only user."""
+    """``match`` continued into the fp8 quantisation of its output, where vLLM's custom quant op (static:
+    one scale for the tensor; or a scale a group of elements) is the output's only user."""
     quant = next(iter(match.out.users)) if len(match.out.users) == 1 else None
+    if quant is not None and functionalized(quant) == GROUP_QUANT and quant.kwargs["input"] is match.out:
+        return _with_group_quant(match, quant)
     if quant is None or functionalized(quant) != QUANT or quant.kwargs["input"] is not match.out \
             or quant.kwargs.get("group_shape") is not None:
         return match
@@ -220,6 +227,49 @@ def _with_quant(match: Match) -> Match:
     match.internal = match.internal + [match.out, quant]
     match.quant_scale, match.out = quant.kwargs["scale"], _output(match.all_reduce.graph, quant, 1)
     return match
+
+
+def _with_group_quant(match: Match, quant: Node) -> Match:
+    """``match`` continued into vLLM's ``per_token_group_fp8_quant`` of its output: dynamic fp8 with a
+    scale a ``group_size`` elements (rounded up to powers of two with ``scale_ue8m0``), the scales where
+    vLLM's ``output_s`` has them (row-major, or column-major with the tokens padded to 4: the op's
+    ``scale_layout``). vLLM floors each group's largest value at ``eps`` (1e-10), the op each scale at
+    ``1 / (448 * 512)``: they differ only for a group whose largest value is below 1 / 512, where both
+    scales stand for the values (``q * scale``). A clamp other than the device's fp8 range (vLLM's 224
+    on ROCm's fnuz) stays unfused."""
+    kw, graph = quant.kwargs, match.all_reduce.graph
+    fmt, hidden = fp8_of(match.out), match.hidden
+    group = int(kw["group_size"])
+    if not (group == hidden or (group >= 8 and group & (group - 1) == 0 and hidden % group == 0)):
+        match.problem = f"vLLM's fp8 groups of {group} are not the hidden size {hidden} or a power of two dividing it"
+    if float(kw["fp8_max"]) != fmt.max or float(kw["fp8_min"]) != -fmt.max:
+        match.problem = match.problem or (f"vLLM quantises to +-{kw['fp8_max']}, not the fp8 range of the op "
+                                          f"on this device (+-{fmt.max})")
+    scales_val = meta_val(kw["output_s"])
+    layout = _scale_layout(scales_val, hidden // group if group and hidden % group == 0 else 0)
+    if layout is None:
+        match.problem = match.problem or (f"vLLM's fp8 scales {tuple(scales_val.shape)} with strides "
+                                          f"{tuple(scales_val.stride())} are neither row-major nor the op's "
+                                          "column-major layout (tokens padded to 4)")
+    _drop_unread_outputs(quant)
+    match.internal = match.internal + [match.out, quant]
+    match.scale_group, match.ue8m0, match.scale_layout = group, bool(kw["scale_ue8m0"]), layout or SCALES_ROWS
+    match.out, match.scales = _output(graph, quant, 1), _output(graph, quant, 2)
+    return match
+
+
+def _scale_layout(scales: torch.Tensor, groups: int) -> int | None:
+    """The op's ``scale_layout`` of vLLM's ``[T, groups]`` scales (by their strides), or None."""
+    if scales.dim() != 2 or groups == 0 or static_int(scales.shape[1]) != groups:
+        return None
+    rows, columns = scales.stride()
+    if columns == 1 and (groups == 1 or static_int(rows) == groups):
+        return SCALES_ROWS
+    if rows == 1:  # column-major: a column is the tokens, padded to 4 as the op pads them
+        padded = (scales.shape[0] + 3) // 4 * 4
+        if groups == 1 or str(columns) == str(padded) or static_int(columns) == static_int(padded):
+            return SCALES_COLUMNS
+    return None
 
 
 def _native_site(all_reduce: Node, group_name: str, hidden: int) -> Match | None:
@@ -256,5 +306,6 @@ def _native_site(all_reduce: Node, group_name: str, hidden: int) -> Match | None
 
 def pattern_of(match: Match) -> FusionPattern:
     """The pattern whose checks and replacement serve a vLLM site: with or without a residual and fp8."""
+    quant = "DynamicQuant" if match.scales is not None else "Quant" if match.quant_scale is not None else ""
     return PATTERNS_BY_NAME[f"AllReduce{'PostNorm' if match.sum_weight is not None else ''}"
-                     f"{'Add' if match.residual is not None else ''}RMSNorm{'Quant' if match.quant_scale is not None else ''}"]
+                            f"{'Add' if match.residual is not None else ''}RMSNorm{quant}"]
