@@ -25,7 +25,7 @@ Dynamic scales go where the next GEMM reads them (``scale_layout``): rows ``[T, 
 columns (float32 ``[T, G]`` stored column-major, T padded to 4: DeepGEMM's fp8 GEMMs on Hopper); or
 UE8M0 exponents packed four to an int32, column-major, T padded to 4 (DeepGEMM on Blackwell). fp4 ``y``
 is two e2m1 codes a byte (the even column in the low nibble), ``[T, H / 2]`` uint8; NVFP4's e4m3 scales
-are in the 128 x 4 tiles Blackwell's FP4 GEMMs read (``reference.swizzle_block_scales``), MXFP4's e8m0
+are in the 128 x 4 tiles Blackwell's FP4 GEMMs read (``formats.swizzle_block_scales``), MXFP4's e8m0
 scales row-major ``[T, H / 32]``. Every GPU converts to e2m1 and e8m0 here in integer arithmetic (the
 same code the CPU interpreter runs); Blackwell (``cvt.rn.satfinite.e2m1x2.f32``) and gfx950 have
 conversions of their own, which these kernels do not use.

@@ -195,7 +195,7 @@ def _e2m1_codes(v):
 @triton.jit
 def _store_fp4(y, y_ptr, steps, row, hidden, STEPS: tl.constexpr, BLOCK_H: tl.constexpr):
     """y as e2m1 codes, two a byte, with a scale a group of SCALE_GROUP elements: NVFP4 (16, e4m3
-    scales of ``amax / 6 * g``, in the 128 x 4 tiles of ``reference.swizzle_block_scales``) or MXFP4
+    scales of ``amax / 6 * g``, in the 128 x 4 tiles of ``formats.swizzle_block_scales``) or MXFP4
     (32, e8m0 scales ``2**(floor(log2(amax)) - 2)``, row-major)."""
     GROUP: tl.constexpr = STEPS.SCALE_GROUP
     GROUPS: tl.constexpr = BLOCK_H // GROUP
