@@ -27,10 +27,10 @@ After::
 
 :data:`PATTERNS` holds one :class:`FusionPattern` (a value) per combination of steps
 (:func:`combinations`), longest first, each named from its steps (``AllReduceBiasAddRMSNormQuant``;
-:data:`PATTERNS_BY_NAME`). A pattern's ``search`` walks from an all-reduce node and returns a :class:`Match` (with a ``problem`` when the structure is there but
-cannot be fused), ``extra_check`` returns why a match must not be fused (or None), ``replace``
-rewrites the graph, and ``example`` is the pattern in plain torch, for tests and documentation. Any
-eps value matches.
+:data:`PATTERNS_BY_NAME`). A pattern's ``search`` walks from an all-reduce node and returns a
+:class:`Match` (with a ``problem`` when the structure is there but cannot be fused), ``extra_check``
+returns why a match must not be fused (or None), ``replace`` rewrites the graph, and ``example`` is the
+pattern in plain torch, for tests and documentation. Any eps value matches.
 """
 
 from __future__ import annotations

@@ -69,9 +69,10 @@ def check_inputs(
                                      residual.shape == shape and residual.is_contiguous() and
                                      residual.device == device):
         _check_like_x("residual", residual, shape, device, dtype)
-    if epilogue.normed and not (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.shape[0] == shape[1]
-                             and (weight.dtype is dtype or weight.dtype is torch.float32)
-                             and weight.is_contiguous() and weight.device == device):
+    if epilogue.normed and not (isinstance(weight, torch.Tensor) and weight.dim() == 1
+                                and weight.shape[0] == shape[1]
+                                and (weight.dtype is dtype or weight.dtype is torch.float32)
+                                and weight.is_contiguous() and weight.device == device):
         if weight is None:
             raise TypeError("weight must be a tensor (the RMSNorm gain), got None")
         _check_row("weight", weight, shape, dtype, device)
@@ -293,6 +294,11 @@ def _dynamic_fp8(x, residual, weight, eps, group_name, **step_args):
 def _quant(x, residual, weight, eps, group_name, **step_args):
     epilogue = Epilogue.of(step_args)
     check_inputs(x, residual, weight, eps, epilogue)
+    return _run_quant(x, residual, weight, eps, group_name, epilogue)
+
+
+def _run_quant(x, residual, weight, eps, group_name, epilogue: Epilogue):
+    """A checked quantising call: its outputs made, run by its group's route."""
     if not epilogue.quantised:
         raise ValueError("allreduce_add_rmsnorm_quant quantises y: pass quant_scale, scale_group or fp4")
     y, scales, h, normed = _quantised_outputs(x, epilogue)
@@ -418,7 +424,7 @@ def allreduce_add_rmsnorm(
         epilogue = block_end.PLAIN  # the common call: no block end to build
     else:
         epilogue = Epilogue(quant_scale, bias, sum_weight, layer_norm, norm_bias, experts=_experts(x),
-                         topk_weights=topk_weights, shared_expert=shared_expert)
+                            topk_weights=topk_weights, shared_expert=shared_expert)
     check_inputs(x, residual, weight, eps, epilogue, out, residual_out)
     group_name = group_name_of(group)
     if out is None and residual_out is None:
@@ -468,8 +474,8 @@ def allreduce_add_rmsnorm_dynamic_fp8(
     if isinstance(scale_group, bool) or not isinstance(scale_group, int) or scale_group <= 0:
         raise ValueError(f"scale_group must be a positive int (elements per scale), got {scale_group!r}")
     epilogue = Epilogue(bias=bias, sum_weight=sum_weight, layer_norm=layer_norm, norm_bias=norm_bias,
-                     scale_group=scale_group, experts=_experts(x), topk_weights=topk_weights,
-                     shared_expert=shared_expert)
+                        scale_group=scale_group, experts=_experts(x), topk_weights=topk_weights,
+                        shared_expert=shared_expert)
     check_inputs(x, residual, weight, eps, epilogue)
     group_name = group_name_of(group)
     if _through_the_op(x):
@@ -566,17 +572,17 @@ def allreduce_add_rmsnorm_quant(
     elif scale_group is not None:
         raise ValueError("scale_group is dynamic fp8's: static fp8 (quant_scale) and fp4 have their own scales")
     epilogue = Epilogue(quant_scale=quant_scale, bias=bias, sum_weight=sum_weight, layer_norm=layer_norm,
-                     norm_bias=norm_bias, scale_group=scale_group or 0, experts=_experts(x),
-                     topk_weights=topk_weights, shared_expert=shared_expert, normed_copy=normed_copy,
-                     ue8m0_scales=ue8m0_scales, scale_layout=_SCALE_LAYOUTS[scale_layout], fp4=fp4,
-                     global_scale=global_scale)
+                        norm_bias=norm_bias, scale_group=scale_group or 0, experts=_experts(x),
+                        topk_weights=topk_weights, shared_expert=shared_expert, normed_copy=normed_copy,
+                        ue8m0_scales=ue8m0_scales, scale_layout=_SCALE_LAYOUTS[scale_layout], fp4=fp4,
+                        global_scale=global_scale)
     check_inputs(x, residual, weight, eps, epilogue)
     group_name = group_name_of(group)
     if _through_the_op(x):
         y, scales, h, normed = torch.ops.tpfuse.allreduce_add_rmsnorm_quant(x, residual, weight, eps, group_name,
                                                                            **epilogue.kwargs())
     else:
-        y, scales, h, normed = _quant(x, residual, weight, eps, group_name, **epilogue.kwargs())
+        y, scales, h, normed = _run_quant(x, residual, weight, eps, group_name, epilogue)
     return QuantizedOutputs(y, scales if scales.shape[-1] else None, h, normed if normed_copy else None)
 
 

@@ -12,8 +12,8 @@ import torch
 
 from tpfuse.kernels import formats
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.block_end import (FP4_MXFP4, FP4_NONE, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0,
-                                      SCALES_ROWS, Epilogue)
+from tpfuse.kernels.block_end import (FP4_GROUP, FP4_MXFP4, FP4_NONE, FP4_NVFP4, SCALES_COLUMNS,
+                                      SCALES_PACKED_UE8M0, SCALES_ROWS, Epilogue)
 from tpfuse.kernels.reference import fused_reference_float64, rank_part, unquantised
 from tpfuse.kernels.targets import E4M3FN, E4M3FNUZ, fp8_format
 
@@ -236,7 +236,7 @@ def _fp4_checks(epilogue: Epilogue, y: torch.Tensor, scales: torch.Tensor, y_ref
     """fp4 ``y`` decoded, in its scaled units, against float64 (within half an e2m1 step, saturated at
     6), and its scales against their definitions; as (name, got, ref) checks with exact tolerance."""
     n_tokens, hidden = y_ref.shape
-    group = 16 if epilogue.fp4 == FP4_NVFP4 else 32
+    group = FP4_GROUP[epilogue.fp4]
     got_scales = formats.scales_as_float(epilogue, scales, n_tokens, hidden).double()
     amax = y_ref.unflatten(-1, (-1, group)).abs().amax(-1)
     if epilogue.fp4 == FP4_NVFP4:
