@@ -1,6 +1,6 @@
 """Where a fused call's host time goes: cProfile of repeated eager calls on one GPU (the op at world
-size 1, and rank 0's one-shot launches of two ranks sharing the GPU). A tool for the launch path's
-work (docs/kernel-notes.md, "Host cost").
+size 1, and rank 0's one-shot launch and op of two ranks sharing the GPU), and what the torch calls
+on the path cost by themselves. A tool for the launch path's work (docs/kernel-notes.md, "Host cost").
 
 Usage: PYTHONPATH=src python3 scripts/host_profile.py
 """
@@ -11,18 +11,23 @@ import pstats
 import torch
 
 import tpfuse
-from tpfuse.bench.host import _process_group, host_us
+from tpfuse import select
+from tpfuse.bench.host import _process_group, host_us, loopback_pair
 from tpfuse.testing.cases import Case
 
 
-def profile(name, fn, calls=3000):
+def profile(name, fn, calls=3000, after=None):
     for _ in range(100):
         fn()
+        if after is not None:
+            after()
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     prof.enable()
     for i in range(calls):
         fn()
+        if after is not None:
+            after()
         if i % 32 == 31:
             torch.cuda.synchronize()
     prof.disable()
@@ -66,10 +71,22 @@ def main():
             "FusedCall + kernel_key + kernel_tensors": lambda: (
                 lambda c: (c.kernel_key(), c.kernel_tensors()))(FusedCall(x, r, w, 1e-6, call.y, call.h)),
             "torch add + rms_norm": lambda: torch.nn.functional.rms_norm(x + r, (x.shape[-1],), w, 1e-6),
+            "torch.cuda.is_current_stream_capturing()": torch.cuda.is_current_stream_capturing,
+            "torch._C._cuda_getCurrentRawStream(0)": lambda: torch._C._cuda_getCurrentRawStream(0),
+            "torch.compiler.is_compiling()": torch.compiler.is_compiling,
+            "x.data_ptr()": x.data_ptr,
+            "x.device": lambda: x.device,
+            "x.device == w.device": lambda: x.device == w.device,
         }
         for name, fn in parts.items():
             print(f"{host_us(fn):8.2f} us  {name}")
         profile("op at world size 1", op)
+        with loopback_pair(1, 4096, device) as (own, peer, loopback_op):
+            print(f"{host_us(own(select.ONESHOT), after=peer(select.ONESHOT)):8.2f} us  launch, one-shot, 2 ranks")
+            with loopback_op(select.ONESHOT) as op2:
+                print(f"{host_us(op2, after=peer(select.ONESHOT)):8.2f} us  op, one-shot, 2 ranks")
+                profile("op, one-shot, 2 ranks (rank 1's launch after each)", op2, after=peer(select.ONESHOT))
+            profile("launch, one-shot, 2 ranks (rank 1's after each)", own(select.ONESHOT), after=peer(select.ONESHOT))
 
 
 if __name__ == "__main__":

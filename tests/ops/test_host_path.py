@@ -60,6 +60,7 @@ def _count_decisions(monkeypatch, counts: dict) -> None:
     from tpfuse import select
     from tpfuse.comm.communicator import Communicator
     from tpfuse.kernels import launch
+    from tpfuse.kernels.call import FusedCall
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -70,6 +71,7 @@ def _count_decisions(monkeypatch, counts: dict) -> None:
     monkeypatch.setattr(Communicator, "_plan", counted("call plan", Communicator._plan))
     monkeypatch.setattr(select, "choose_algorithm", counted("algorithm", select.choose_algorithm))
     monkeypatch.setattr(launch.LaunchPlan, "__post_init__", counted("launch plan", launch.LaunchPlan.__post_init__))
+    monkeypatch.setattr(FusedCall, "kernel_key", counted("kind looked up", FusedCall.kernel_key))
 
 
 def _repeated_calls(rank, world_size, backend, tokens):
@@ -99,10 +101,13 @@ def _repeated_calls(rank, world_size, backend, tokens):
 @pytest.mark.parametrize("tokens", [2, 9])  # the one-shot, then the two-shot (forced table: one-shot to 4)
 def test_repeated_calls_decide_once(rank_pool, backend, tokens):
     """The same kind of call, made again with new tensors, recomputes nothing the first call decided:
-    one communicator plan, one algorithm choice, one launch plan, however many calls follow."""
+    one communicator plan, one algorithm choice, one launch plan, however many calls follow; and a later
+    call looks its kind up once (the communicator's plan holds the kernel's launch plan)."""
     per_rank = rank_pool(2, backend).run(_repeated_calls, backend, tokens)
     for first, total, _ in per_rank:
+        looked_up = first.pop("kind looked up")
         assert first == {"call plan": 1, "algorithm": 1, "launch plan": 1}, first
+        assert total.pop("kind looked up") - looked_up == 4, "a later call looked its kind up more than once"
         assert total == first, f"later calls decided again: {total} after the first four calls' {first}"
     for i in range(len(per_rank[0][2])):
         case = per_rank[0][2][i][0]

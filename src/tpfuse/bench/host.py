@@ -116,8 +116,12 @@ def _world_size_one_rows(tokens: int, hidden: int, device) -> list[dict]:
             for name, found in samples.items()]
 
 
-def _loopback_rows(tokens: int, hidden: int, device) -> list[dict]:
-    """Two ranks on this process's GPU: the launchers and the whole op (rank 0 timed)."""
+@contextlib.contextmanager
+def loopback_pair(tokens: int, hidden: int, device):
+    """Two ranks on this process's GPU, ready to call: yields ``(own, peer, op)``, functions of an
+    algorithm (``select.ONESHOT`` / ``TWOSHOT``): rank 0's launcher (on the current stream), rank 1's
+    launcher (on a stream of its own: run it after each of rank 0's calls), and rank 0's whole eager op
+    with that algorithm forced (a context manager giving the call). Checks afterwards that no call failed."""
     import tpfuse
     from tpfuse.kernels import layout
     from tpfuse.testing import forced_table, local_launch_contexts
@@ -151,34 +155,49 @@ def _loopback_rows(tokens: int, hidden: int, device) -> list[dict]:
         ctx.workspace.buffer.fill_(layout.SENTINEL)
         ctx.workspace.state.zero_()
     torch.cuda.synchronize()
+
+    def own(algorithm: str) -> Callable[[], object]:
+        return lambda: launchers[algorithm](contexts[0], calls[0])
+
+    def peer(algorithm: str) -> Callable[[], object]:
+        return on_stream(1, lambda: launchers[algorithm](contexts[1], calls[1]))
+
+    @contextlib.contextmanager
+    def op(algorithm: str):
+        call = calls[0]
+        with forced_table(world, device, tokens if algorithm == select.ONESHOT else 0, hiddens=(hidden,)):
+            planned = comm.plan(call).route
+            if planned != algorithm:
+                raise RuntimeError(f"tpfuse: the loopback op would run {planned}, not {algorithm}")
+            yield lambda: tpfuse.allreduce_add_rmsnorm(call.x, call.residual, call.weight, call.eps, out=call.y,
+                                                       residual_out=call.h)
+
     # Rank 0's calls run on the current stream, set once (entering a stream context costs more host
     # time than a launch); rank 1's enter theirs, untimed.
     before = torch.cuda.current_stream(device)
     torch.cuda.set_stream(streams[0])
-    rows = []
-    for algorithm, launcher in launchers.items():
-        peer = on_stream(1, lambda launcher=launcher: launcher(contexts[1], calls[1]))
-        own = lambda launcher=launcher: launcher(contexts[0], calls[0])  # noqa: E731
-        rows.append(dict(ranks=world, what=f"launch {algorithm}", host_us=host_us(own, after=peer)))
     comm = loopback_communicator(dist.group.WORLD, contexts[0])
-    call = calls[0]
     try:
-        for algorithm, launcher in launchers.items():
-            oneshot_max = tokens if algorithm == select.ONESHOT else 0
-            with forced_table(world, device, oneshot_max, hiddens=(hidden,)):
-                planned = comm.plan(call).route
-                if planned != algorithm:
-                    raise RuntimeError(f"tpfuse: the loopback op would run {planned}, not {algorithm}")
-                peer = on_stream(1, lambda launcher=launcher: launcher(contexts[1], calls[1]))
-                op = lambda: tpfuse.allreduce_add_rmsnorm(  # noqa: E731
-                    call.x, call.residual, call.weight, call.eps, out=call.y, residual_out=call.h)
-                rows.append(dict(ranks=world, what=f"op {algorithm}", host_us=host_us(op, after=peer)))
+        yield own, peer, op
     finally:
         comm.destroy()
         torch.cuda.set_stream(before)
     errors = [c.workspace.state[layout.STATE_ERROR].item() for c in contexts]
     if any(errors):
         raise RuntimeError(f"tpfuse: a loopback call failed (error entries {errors}): the times are void")
+
+
+def _loopback_rows(tokens: int, hidden: int, device) -> list[dict]:
+    """Two ranks on this process's GPU: the launchers and the whole op (rank 0 timed)."""
+    algorithms = list(_launchers(tokens, 2))
+    rows = []
+    with loopback_pair(tokens, hidden, device) as (own, peer, op):
+        for algorithm in algorithms:
+            rows.append(dict(ranks=2, what=f"launch {algorithm}", host_us=host_us(own(algorithm),
+                                                                                  after=peer(algorithm))))
+        for algorithm in algorithms:
+            with op(algorithm) as call:
+                rows.append(dict(ranks=2, what=f"op {algorithm}", host_us=host_us(call, after=peer(algorithm))))
     return rows
 
 

@@ -10,6 +10,8 @@ kernels) and :class:`tpfuse.comm.flashinfer.FlashInferBackend` (FlashInfer's, op
 from __future__ import annotations
 
 import abc
+import functools
+from typing import Callable
 
 from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.block_end import Epilogue
@@ -37,6 +39,12 @@ class FusedBackend(abc.ABC):
     @abc.abstractmethod
     def run(self, algorithm: str, call: FusedCall) -> None:
         """Run one call with ``algorithm`` (``select.ONESHOT`` or ``select.TWOSHOT``); writes its outputs."""
+
+    def launcher(self, algorithm: str, call: FusedCall) -> Callable[[FusedCall], None]:
+        """``launch(c)``: what :meth:`run` does for calls ``c`` of ``call``'s kind (rows, dtypes, hidden size,
+        residual, block end) with ``algorithm``, with what it can decide for the kind decided now. The
+        communicator keeps it in its plan of the kind (``CallPlan.launch``)."""
+        return functools.partial(self.run, algorithm)
 
     def set_wait_timeout(self, seconds: float) -> None:
         """The bound of every wait for a peer, for launches from now on (where the kernels have one)."""

@@ -8,7 +8,8 @@ import math
 import numbers
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,8 +39,9 @@ _kept_for_graphs: list[FusedBackend] = []
 
 
 def _capturing(device: torch.device) -> bool:
-    """Whether work on ``device`` is being captured into a CUDA graph now."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """Whether work on ``device`` is being captured into a CUDA graph now (torch's own query without its
+    Python wrapper: every eager fused call asks until one was captured)."""
+    return device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing()
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,14 @@ class CallPlan:
         group's own all-reduce and the torch block end; ``LOCAL``, the block end alone (one rank).
     chunk_rows : int
         The rows of a ``CHUNKED`` call's parts.
+    launch : callable or None
+        ``launch(call)`` for ``ONESHOT`` and ``TWOSHOT``: the backend's launch of that kernel for calls of
+        the planned kind (``FusedBackend.launcher``), kept with the plan so a call goes straight to it.
     """
 
     route: str
     chunk_rows: int = 0
+    launch: Callable[[FusedCall], None] | None = field(default=None, compare=False)
 
 _registry_lock = threading.RLock()
 
@@ -256,16 +262,18 @@ class Communicator:
     def _plan(self, call: FusedCall) -> CallPlan:
         hidden, dtype = call.hidden, call.x.dtype
         algorithm = self.choose_algorithm(call.n_tokens, hidden, dtype, call.epilogue)
-        if algorithm != select.REFERENCE or self.fused_backend is None or not self.fused_backend.compares_calls:
+        if algorithm != select.REFERENCE:
+            return CallPlan(algorithm, launch=self.fused_backend.launcher(algorithm, call))
+        if self.fused_backend is None or not self.fused_backend.compares_calls:
             return CallPlan(algorithm)
         limit = self.max_token_num(hidden, dtype)
         if 0 < limit < call.n_tokens and self.fused_backend.takes(limit, call.epilogue):
             return CallPlan(select.CHUNKED, chunk_rows=limit)
         return CallPlan(algorithm)
 
-    def run_fused(self, call: FusedCall, algorithm: str) -> str:
-        """Run a call with the fused kernel ``algorithm`` (``select.ONESHOT`` or ``TWOSHOT``, as :meth:`plan`
-        says); return its stats label (``"<backend>.<algorithm>"``).
+    def run_fused(self, call: FusedCall, plan: CallPlan) -> str:
+        """Run a call with the fused kernel of its plan (:meth:`plan`'s, route ``select.ONESHOT`` or
+        ``TWOSHOT``); return its stats label (``"<backend>.<algorithm>"``).
 
         One thread at a time: a call made while another thread's call of this communicator is running
         raises. Serialising them would not do: each rank would pair its calls with the peers' in
@@ -279,10 +287,10 @@ class Communicator:
                 "while one was running; a communicator serves one thread at a time (give each thread its "
                 "own process group and communicator)")
         try:
-            self.fused_backend.run(algorithm, call)
+            plan.launch(call)
         finally:
             self._busy.release()
-        return self._labels[algorithm]
+        return self._labels[plan.route]
 
     def check_usable(self) -> None:
         """Raise if this communicator was destroyed or a kernel of it timed out."""

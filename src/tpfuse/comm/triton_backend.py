@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -12,8 +14,9 @@ from tpfuse.comm import workspace as ws
 from tpfuse.comm.backend import FusedBackend
 from tpfuse.kernels import layout
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
-from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+from tpfuse.kernels.launch import launch
+from tpfuse.kernels.oneshot import oneshot_plan
+from tpfuse.kernels.twoshot import twoshot_plan
 from tpfuse.kernels.wire import wire_supported
 
 log = logging.getLogger(__name__)
@@ -58,10 +61,14 @@ class TritonBackend(FusedBackend):
         return self.workspace.region_bytes if self.workspace is not None else 0
 
     def run(self, algorithm: str, call: FusedCall) -> None:
+        self.launcher(algorithm, call)(call)
+
+    def launcher(self, algorithm: str, call: FusedCall) -> Callable[[FusedCall], None]:
         if algorithm == select.ONESHOT:
-            oneshot_allreduce_add_rmsnorm(self.launch, call)
+            plan = oneshot_plan(self.launch, call)
         else:
-            twoshot_allreduce_add_rmsnorm(self.launch, call, wire=self.fp8_wire and wire_supported(call.hidden))
+            plan = twoshot_plan(self.launch, call, wire=self.fp8_wire and wire_supported(call.hidden))
+        return functools.partial(launch, plan)
 
     def set_wait_timeout(self, seconds: float) -> None:
         self.launch.wait_limit_ns = int(seconds * 1e9)

@@ -1,8 +1,9 @@
 """Launching a kernel with the least host work a call: decided once, kept, then the compiled launcher.
 
-A fused call's launch depends on what changes per call (its tensors' addresses, the wait bound) and on
-what a whole kind of call shares (grid, compile-time switches, warps: a :class:`LaunchPlan`). The
-launchers build a plan once per kind of call and keep it in the group's ``LaunchContext``. On a GPU,
+A fused call's launch depends on what changes per call (its tensors' addresses, eps, the wait bound) and
+on what a whole kind of call shares (grid, compile-time switches, warps, the workspace: a
+:class:`LaunchPlan`). The launchers build a plan once per kind of call and keep it in the group's
+``LaunchContext``; a communicator's plan of a call holds it too, so its calls go straight here. On a GPU,
 the first launch of a plan goes through Triton's JIT, which compiles the kernel and checks its
 arguments; later ones call the compiled kernel's own launcher with the addresses as integers, which
 skips the JIT's binding, specialisation and cache look-up (about 25 of a launch's microseconds:
@@ -16,6 +17,7 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -25,20 +27,21 @@ from tpfuse.kernels.call import FusedCall
 
 @dataclass
 class LaunchPlan:
-    """Everything a launch takes besides the call's own tensors and scalars, for one kind of call.
+    """Everything a launch takes besides the call's own tensors, for one kind of call.
 
     Attributes
     ----------
     kernel : triton JITFunction
     grid : int
         Programs of the launch.
-    scalars : tuple
-        The kernel's runtime arguments that follow the call's (the one-shot's pushers, the two-shot's
-        rows per group).
+    scalars : callable
+        ``scalars(call)``: the kernel's runtime scalars for a call of this kind, in its order.
     constexprs : dict
         The compile-time switches, by name, in the kernel's order.
     options : dict
         Launch options (``num_warps``, ``launch_pdl``).
+    workspace : tuple of Tensor
+        The pointer arguments after the call's (the workspace's), the same for every call of the plan.
     compiled : dict
         A launcher of the compiled kernel the JIT chose, for each (pointers not 16-byte aligned, runtime
         scalars) seen (GPU only).
@@ -46,11 +49,13 @@ class LaunchPlan:
 
     kernel: object
     grid: int
-    scalars: tuple
+    scalars: Callable[[FusedCall], tuple]
     constexprs: dict
     options: dict
+    workspace: tuple = ()
     compiled: dict = field(default_factory=dict)
-    #: Where its launches go, set by the first: (launch through the compiled kernel?, the GPU's index).
+    #: Where its launches go, set by the first: (launch through the compiled kernel?, the GPU's index, the
+    #: workspace's addresses).
     target: tuple | None = None
 
     def __post_init__(self):
@@ -73,35 +78,34 @@ def kept_plan(plans: dict, key: tuple, make) -> LaunchPlan:
     return plan
 
 
-def launch(plan: LaunchPlan, call: FusedCall, scalars: tuple, workspace: tuple = ()) -> None:
+def launch(plan: LaunchPlan, call: FusedCall) -> None:
     """Launch ``plan.kernel`` for ``call``: its pointer arguments are the call's tensors
-    (``FusedCall.kernel_tensors``) then ``workspace``'s, its runtime scalars ``scalars`` then
-    ``plan.scalars``."""
-    values = (*scalars, *plan.scalars) if plan.scalars else scalars
-    if plan.target is None:  # a plan serves one device (its context's, or its key's)
+    (``FusedCall.kernel_tensors``) then ``plan.workspace``, its runtime scalars ``plan.scalars(call)``."""
+    values = plan.scalars(call)
+    if plan.target is None:  # a plan serves one device (its context's, or its key's) and one workspace
         device = call.x.device
-        plan.target = (device.type == "cuda" and not interpreter_enabled(), device.index)
-    direct, index = plan.target
+        direct = device.type == "cuda" and not interpreter_enabled()
+        plan.target = (direct, device.index, tuple(t.data_ptr() for t in plan.workspace) if direct else ())
+    direct, index, workspace = plan.target
     if not direct:
-        plan.kernel[(plan.grid,)](*call.kernel_tensors(), *workspace, *values, **plan.constexprs, **plan.options)
+        plan.kernel[(plan.grid,)](*call.kernel_tensors(), *plan.workspace, *values, **plan.constexprs,
+                                  **plan.options)
         return
     addresses = call.kernel_addresses()
-    for t in workspace:
-        addresses.append(t.data_ptr())
     # The JIT compiles apart for each pointer that is not 16-byte aligned and for integer values (1, a
     # multiple of 16, over 32 bits): the kernel it chose for these exact values and alignments is right
     # for every later launch with the same. A plan sees the same values call after call (the wait
     # bound changes only when the user sets it) and aligned pointers (the caching allocator's), so
     # this stays a one-entry dict in practice; which pointers are misaligned is read only when one is.
-    bits = 0
-    for a in addresses:  # the steps' addresses are one tuple among them
-        bits |= a if a.__class__ is int else functools.reduce(operator.or_, a)
+    # (The workspace's addresses are the plan's own: their alignment never changes.)
+    x, residual, weight, y, h, steps = addresses
+    bits = functools.reduce(operator.or_, steps, x | residual | weight | y | h)
     key = (tuple(bool(a & 15) for a in _flat(addresses)) if bits & 15 else (), values)
     run = plan.compiled.get(key)
     if run is None:
-        compiled = plan.kernel[(plan.grid,)](*call.kernel_tensors(), *workspace, *values, **plan.constexprs,
+        compiled = plan.kernel[(plan.grid,)](*call.kernel_tensors(), *plan.workspace, *values, **plan.constexprs,
                                              **plan.options)
-        plan.compiled[key] = _launcher(compiled, tuple(plan.constexprs.values()))
+        plan.compiled[key] = _launcher(compiled, workspace, tuple(plan.constexprs.values()))
         return
     run(plan.grid, torch._C._cuda_getCurrentRawStream(index), addresses, values)
 
@@ -111,8 +115,9 @@ def _flat(addresses: list) -> list[int]:
     return [b for a in addresses for b in ((a,) if a.__class__ is int else a)]
 
 
-def _launcher(compiled, constexprs: tuple):
-    """A function ``(grid, stream, addresses, values)`` that launches ``compiled`` as Triton's JIT would.
+def _launcher(compiled, workspace: tuple, constexprs: tuple):
+    """A function ``(grid, stream, addresses, values)`` that launches ``compiled`` as Triton's JIT would,
+    the ``workspace`` addresses after the call's.
 
     Triton's launcher object (``compiled.run``) wraps a C function (which takes the kernels' ``steps``
     as one tuple, as ``FusedCall.kernel_addresses`` gives them); where the kernel needs no scratch
@@ -125,8 +130,8 @@ def _launcher(compiled, constexprs: tuple):
     if direct is None or not all(hasattr(run, name) for name in fixed) or run.global_scratch_size \
             or run.profile_scratch_size:
         return lambda grid, stream, addresses, values: run(grid, 1, 1, stream, function, metadata, None, None,
-                                                           None, *addresses, *values, *constexprs)
+                                                           None, *addresses, *workspace, *values, *constexprs)
     cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
     return lambda grid, stream, addresses, values: direct(grid, 1, 1, stream, function, cooperative, pdl, None,
                                                           None, metadata, None, None, None, *addresses,
-                                                          *values, *constexprs)
+                                                          *workspace, *values, *constexprs)

@@ -7,6 +7,8 @@ reads x (the whole sum, or a MoE block's experts to finalize) and the residual o
 
 from __future__ import annotations
 
+import operator
+
 import triton
 import triton.language as tl
 
@@ -35,11 +37,13 @@ def _local_add_rmsnorm_kernel(
 
 
 _plans: dict = {}
+#: The local kernel's runtime scalars of a call.
+_HIDDEN_AND_EPS = operator.attrgetter("hidden", "eps")
 
 
 def _local_plan(call: FusedCall) -> LaunchPlan:
     block_h, num_warps, _ = launch_config(call.hidden, call.x.device, pdl=False)
-    return LaunchPlan(_local_add_rmsnorm_kernel, call.n_tokens, (),
+    return LaunchPlan(_local_add_rmsnorm_kernel, call.n_tokens, _HIDDEN_AND_EPS,
                       dict(BLOCK_H=block_h, HAS_RESIDUAL=call.residual is not None,
                            STEPS=call.epilogue.switches(call.hidden)),
                       dict(num_warps=num_warps))
@@ -51,4 +55,4 @@ def local_add_rmsnorm(call: FusedCall) -> None:
     if n_tokens == 0:
         return
     plan = kept_plan(_plans, (call.x.device, n_tokens, call.kernel_key()), lambda: _local_plan(call))
-    launch(plan, call, (call.hidden, call.eps))
+    launch(plan, call)

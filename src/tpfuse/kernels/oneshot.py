@@ -190,9 +190,13 @@ def oneshot_allreduce_add_rmsnorm(ctx: LaunchContext, call: FusedCall,
     ``ctx.max_programs`` must be the same on every rank and small enough that all programs are resident
     at once (a program waits for the same program of its peers).
     """
-    plan = kept_plan(ctx.plans, ("oneshot", variant, call.n_tokens, call.kernel_key()),
+    launch(oneshot_plan(ctx, call, variant), call)
+
+
+def oneshot_plan(ctx: LaunchContext, call: FusedCall, variant: OneShotVariant = DEFAULT_VARIANT) -> LaunchPlan:
+    """The one-shot's launch plan for calls of ``call``'s kind (kept in ``ctx``): ``launch(plan, call)``."""
+    return kept_plan(ctx.plans, ("oneshot", variant, call.n_tokens, call.kernel_key()),
                      lambda: _oneshot_plan(ctx, call, variant))
-    launch(plan, call, call_scalars(ctx, call), workspace_tensors(ctx))
 
 
 def _oneshot_plan(ctx: LaunchContext, call: FusedCall, variant: OneShotVariant) -> LaunchPlan:
@@ -206,9 +210,9 @@ def _oneshot_plan(ctx: LaunchContext, call: FusedCall, variant: OneShotVariant) 
     pushers = split_push_programs(n_tokens, hidden, programs, ctx.max_programs, variant.split_push_words)
     block_c = variant.split_push_words if pushers else block_h  # a split row is wider than a chunk
     return LaunchPlan(
-        _oneshot_allreduce_add_rmsnorm_kernel, pushers + programs, (pushers,),
+        _oneshot_allreduce_add_rmsnorm_kernel, pushers + programs, call_scalars(ctx, call, (pushers,)),
         dict(RANK=ctx.rank, WORLD=ctx.world_size, BLOCK_H=block_h, USE_PDL=use_pdl,
              **call_constexprs(ctx, call, twoshot=False), CLEAR_FIRST=variant.clear_first,
              RELAXED_ARRIVE=variant.relaxed_arrive, SPLIT_PUSH=pushers > 0,
              PUSH_CHUNKS=triton.cdiv(hidden, block_c), BLOCK_C=block_c, X_FIRST=variant.x_first),
-        dict(num_warps=num_warps, launch_pdl=use_pdl))
+        dict(num_warps=num_warps, launch_pdl=use_pdl), workspace_tensors(ctx))

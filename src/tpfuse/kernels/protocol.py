@@ -9,6 +9,7 @@ same state vector, so calls of either algorithm may follow each other in any ord
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 import triton
@@ -57,21 +58,23 @@ def workspace_tensors(ctx: LaunchContext) -> tuple:
     return (ctx.workspace.peer_ptrs, ctx.workspace.state)
 
 
-def call_scalars(ctx: LaunchContext, call: FusedCall) -> tuple:
-    """Both kernels' runtime scalars for ``call``: tokens, hidden, region, eps and the wait bound.
+def call_scalars(ctx: LaunchContext, call: FusedCall, tail: tuple = ()) -> Callable[[FusedCall], tuple]:
+    """Both kernels' runtime scalars for calls of ``call``'s kind (``LaunchPlan.scalars``): a function of a
+    call giving its tokens, hidden, region, eps and wait bound, then ``tail`` (the kernel's own).
 
     The wait bound is in ticks of the kernels' timer (``vendor.now``: nanoseconds on NVIDIA, the
     device's wall clock on AMD). It is a duration on a GPU, where a launch may be captured in a CUDA
     graph and replayed later; on the CPU it is the launch's deadline, which every program shares (the
-    interpreter runs programs one after another, so a per-program duration would add up).
+    interpreter runs programs one after another, so a per-program duration would add up). It follows
+    ``ctx.wait_limit_ns`` as it is at each call.
     """
-    n_tokens, hidden = call.n_tokens, call.hidden
+    n_tokens, hidden, region = call.n_tokens, call.hidden, ctx.workspace.region_elems
     device = call.x.device
     if device.type == "cuda":
-        wait = _gpu_wait_ticks(ctx.wait_limit_ns, device.index)
-    else:
-        wait = targets.cpu_timer_ticks() + targets.wait_ticks(device, ctx.wait_limit_ns / 1e9)
-    return (n_tokens, hidden, ctx.workspace.region_elems, call.eps, wait)
+        index = device.index
+        return lambda call: (n_tokens, hidden, region, call.eps, _gpu_wait_ticks(ctx.wait_limit_ns, index), *tail)
+    return lambda call: (n_tokens, hidden, region, call.eps, targets.cpu_timer_ticks()
+                         + targets.wait_ticks(device, ctx.wait_limit_ns / 1e9), *tail)
 
 
 @functools.lru_cache(maxsize=64)

@@ -298,9 +298,14 @@ def twoshot_allreduce_add_rmsnorm(ctx: LaunchContext, call: FusedCall, group_row
     16-byte access a thread per tensor (one H200 without a peer: 4096 x 8192 in 78.9 instead of 94.3 us;
     docs/kernel-notes.md); the default stays until two GPUs measure it.
     """
-    plan = kept_plan(ctx.plans, ("twoshot", group_rows, wire, max_warps, call.n_tokens, call.kernel_key()),
+    launch(twoshot_plan(ctx, call, group_rows, wire, max_warps), call)
+
+
+def twoshot_plan(ctx: LaunchContext, call: FusedCall, group_rows: int = GROUP_ROWS, wire: bool = False,
+                 max_warps: int = MAX_WARPS) -> LaunchPlan:
+    """The two-shot's launch plan for calls of ``call``'s kind (kept in ``ctx``): ``launch(plan, call)``."""
+    return kept_plan(ctx.plans, ("twoshot", group_rows, wire, max_warps, call.n_tokens, call.kernel_key()),
                      lambda: _twoshot_plan(ctx, call, group_rows, wire, max_warps))
-    launch(plan, call, call_scalars(ctx, call), workspace_tensors(ctx))
 
 
 def _twoshot_plan(ctx: LaunchContext, call: FusedCall, group_rows: int, wire: bool,
@@ -310,8 +315,8 @@ def _twoshot_plan(ctx: LaunchContext, call: FusedCall, group_rows: int, wire: bo
     block_h, num_warps, use_pdl = launch_config(hidden, call.x.device, max_warps=max_warps)
     programs = min(n_tokens, ctx.max_programs)
     return LaunchPlan(
-        _twoshot_allreduce_add_rmsnorm_kernel, programs, (group_rows,),
+        _twoshot_allreduce_add_rmsnorm_kernel, programs, call_scalars(ctx, call, (group_rows,)),
         dict(RANK=ctx.rank, WORLD=ctx.world_size, BLOCK_H=block_h, USE_PDL=use_pdl,
              **call_constexprs(ctx, call, twoshot=True, wire=wire),
              GROUPED=group_rows != ALL_ROWS and n_tokens > group_rows * programs, WIRE=wire),
-        dict(num_warps=num_warps, launch_pdl=use_pdl))
+        dict(num_warps=num_warps, launch_pdl=use_pdl), workspace_tensors(ctx))

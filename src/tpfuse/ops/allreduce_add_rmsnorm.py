@@ -83,10 +83,15 @@ def check_inputs(
     if out is None and residual_out is None:
         return
     if out is not None:
-        _check_like_x("out", out, shape, device, _output_dtype(x, epilogue),
-                      " (the fp8 format of this device)" if epilogue.fp8_output else "")
-    if residual_out is not None:
-        _check_like_x("residual_out", residual_out, shape, device, x.dtype)
+        y_dtype = dtype if epilogue is block_end.PLAIN else _output_dtype(x, epilogue)
+        if not (isinstance(out, torch.Tensor) and out.dtype is y_dtype and out.shape == shape and out.is_contiguous()
+                and out.device == device):
+            _check_like_x("out", out, shape, device, y_dtype,
+                          " (the fp8 format of this device)" if epilogue.fp8_output else "")
+    if residual_out is not None and not (isinstance(residual_out, torch.Tensor) and residual_out.dtype is dtype
+                                         and residual_out.shape == shape and residual_out.is_contiguous()
+                                         and residual_out.device == device):
+        _check_like_x("residual_out", residual_out, shape, device, dtype)
     if out is not None and residual_out is not None and _overlap(out, residual_out):
         raise ValueError("out and residual_out share memory; y and h must go to separate tensors")
 
@@ -211,9 +216,8 @@ def _check_topk_weights(weights, x: torch.Tensor, device: torch.device) -> None:
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two contiguous tensors share any byte."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.numel() * b.element_size() and \
-        b0 < a0 + a.numel() * a.element_size()
+    a0, b0, a_bytes, b_bytes = a.data_ptr(), b.data_ptr(), a.nbytes, b.nbytes
+    return a_bytes > 0 and b_bytes > 0 and a0 < b0 + b_bytes and b0 < a0 + a_bytes
 
 
 def _quantised_outputs(x: torch.Tensor, epilogue: Epilogue) -> tuple[torch.Tensor, ...]:

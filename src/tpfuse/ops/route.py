@@ -47,12 +47,16 @@ class Route:
         self.comm = comm
         self.world_size = comm.world_size if comm is not None else dist.get_world_size(_group_by_name(group_name))
         self._local: dict[torch.device, object] = {}  # device -> the local kernel there, or None
+        # The communicator's device as Tensor.get_device() gives it (-1 for the CPU): the cheapest test a call.
+        self._comm_device = None if comm is None else -1 if comm.device.type == "cpu" else comm.device.index
+        # Debug mode (read when the route is made, at the group's first call).
+        self._debug = os.environ.get("TPFUSE_DEBUG") == "1"
 
     def plan(self, call: FusedCall) -> CallPlan:
         """How ``call`` runs (``CallPlan.route``, one of ``select.ROUTES``): the communicator's plan where
         it serves the call's device (kept by it), else the local kernel or the reference path."""
         comm, x = self.comm, call.x
-        if comm is not None and comm.device == x.device:
+        if x.get_device() == self._comm_device:
             comm.check_usable()
             plan = comm.plan(call)
             if plan.route != select.REFERENCE:
@@ -74,37 +78,37 @@ class Route:
         """Run a checked call as :meth:`plan` says; record it in ``tpfuse.stats()``."""
         plan = self.plan(call)
         route = plan.route
-        if route == select.LOCAL:
+        if plan.launch is not None:  # one fused call: the common route first
+            self._run_fused(call, plan, self._checking(call.x))
+        elif route == select.LOCAL:
             self._local[call.x.device](call)
             _stats.record("triton.local")
         elif route == select.REFERENCE:
             self._run_reference(call)
-        elif route == select.CHUNKED:
-            self._run_chunked(call, plan.chunk_rows)
         else:
-            self._run_fused(call, route, _checking(call.x.device))
+            self._run_chunked(call, plan.chunk_rows)
 
-    def _run_fused(self, call: FusedCall, kind: str, checking: bool) -> None:
+    def _run_fused(self, call: FusedCall, plan: CallPlan, checking: bool) -> None:
         """One fused call on the communicator's backend; on the CPU (or in debug mode) checked for
         errors after it."""
         comm = self.comm
         if checking and not comm.fused_backend.compares_calls:
-            comm.check_call_matches(call.describe(), kind)
+            comm.check_call_matches(call.describe(), plan.route)
         if not checking:
-            _stats.record(comm.run_fused(call, kind))
+            _stats.record(comm.run_fused(call, plan))
             return
         started = time.monotonic()
-        _stats.record(comm.run_fused(call, kind))
+        _stats.record(comm.run_fused(call, plan))
         comm.check_errors(waited_s=time.monotonic() - started)
 
     def _run_chunked(self, call: FusedCall, chunk_rows: int) -> None:
         """A call over the workspace as fused calls of ``chunk_rows`` rows each (rows are independent), so
         the ranks' calls stay compared and every wait bounded (docs/reliability.md)."""
-        checking = _checking(call.x.device)
+        checking = self._checking(call.x)
         try:
             for start in range(0, call.n_tokens, chunk_rows):
                 part = call.rows(start, min(start + chunk_rows, call.n_tokens))
-                self._run_fused(part, self.comm.plan(part).route, checking)
+                self._run_fused(part, self.comm.plan(part), checking)
                 if part.scales is not None and not formats.scales_by_rows(call.epilogue):
                     formats.place_scale_rows(call.epilogue, call.scales, start, part.scales, part.n_tokens)
         except RuntimeError:
@@ -117,7 +121,7 @@ class Route:
         """The group's own all-reduce in fp32 (none at world size 1), then the block end in torch."""
         x, epilogue, comm = call.x, call.epilogue, self.comm
         group = _group_by_name(self.group_name)
-        checking = self.world_size > 1 and _checking(x.device)
+        checking = self.world_size > 1 and self._checking(x)
         timeout = comm.wait_timeout_s if comm is not None else default_wait_timeout_s()
         if checking:  # the kernels' comparison of calls does not cover the group's all-reduce: compare here
             agreement.check_reference_call(group, group_device(group), call.describe(), timeout)
@@ -135,6 +139,12 @@ class Route:
             call.normed.copy_(add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype,
                                                     unquantised(epilogue))[0])
         _stats.record("reference")
+
+    def _checking(self, x: torch.Tensor) -> bool:
+        """Whether a call of ``x`` is checked for errors after it runs, waiting for the host: always on the
+        CPU, on a GPU only in debug mode (``TPFUSE_DEBUG=1``: it synchronises), never while a CUDA graph
+        is captured."""
+        return x.is_cpu or (self._debug and not torch.cuda.is_current_stream_capturing())
 
 
 _routes: dict[str, Route] = {}
@@ -171,8 +181,3 @@ def _group_by_name(group_name: str) -> dist.ProcessGroup:
         raise ValueError(f"tpfuse: unknown process group {group_name!r}") from exc
 
 
-def _checking(device: torch.device) -> bool:
-    """Whether calls are checked for errors after they run, waiting for the host: always on the CPU, on a
-    GPU only in debug mode (``TPFUSE_DEBUG=1``: it synchronises), never while a CUDA graph is captured."""
-    return device.type == "cpu" or (os.environ.get("TPFUSE_DEBUG") == "1"
-                                    and not torch.cuda.is_current_stream_capturing())

@@ -75,14 +75,15 @@ class Case:
         return bool(self.fp4) or self.ue8m0_scales or self.scale_layout != "rows" or self.normed_copy
 
     def epilogue(self, inputs: dict, rank: int = 0) -> Epilogue:
-        """Rank ``rank``'s block end (:class:`Epilogue`) from ``inputs``."""
-        return Epilogue(quant_scale=inputs["quant_scale"], bias=inputs["bias"], sum_weight=inputs["sum_weight"],
-                        layer_norm=self.layer_norm, norm_bias=inputs["norm_bias"], scale_group=self.scale_group,
-                        normed=self.normed, experts=self.experts, topk_weights=inputs["topk_weights"],
-                        shared_expert=None if inputs["shared"] is None else inputs["shared"][rank],
-                        normed_copy=self.normed_copy, ue8m0_scales=self.ue8m0_scales,
-                        scale_layout=SCALE_LAYOUTS[self.scale_layout], fp4=FP4[self.fp4],
-                        global_scale=inputs["global_scale"])
+        """Rank ``rank``'s block end (:class:`Epilogue`) from ``inputs``: ``block_end.PLAIN`` itself where it
+        has no step, as the op makes it."""
+        return Epilogue.of(dict(
+            quant_scale=inputs["quant_scale"], bias=inputs["bias"], sum_weight=inputs["sum_weight"],
+            layer_norm=self.layer_norm, norm_bias=inputs["norm_bias"], scale_group=self.scale_group,
+            normed=self.normed, experts=self.experts, topk_weights=inputs["topk_weights"],
+            shared_expert=None if inputs["shared"] is None else inputs["shared"][rank],
+            normed_copy=self.normed_copy, ue8m0_scales=self.ue8m0_scales,
+            scale_layout=SCALE_LAYOUTS[self.scale_layout], fp4=FP4[self.fp4], global_scale=inputs["global_scale"]))
 
     def fused_call(self, inputs: dict, rank: int) -> FusedCall:
         """Rank ``rank``'s call as the kernels take it, with fresh outputs poisoned with NaN."""
