@@ -53,7 +53,6 @@ def main():
         tensors = call.kernel_tensors()
         addresses = call.kernel_addresses()
         stream = torch.cuda.current_stream().cuda_stream
-        values = (call.hidden, call.eps)
         from tpfuse.kernels.call import FusedCall
         from tpfuse.ops.allreduce_add_rmsnorm import _through_the_op
         from tpfuse.ops.route import group_name_of, route_of
@@ -61,7 +60,7 @@ def main():
         parts = {
             "op, world size 1": op,
             "local_add_rmsnorm (plan kept, compiled launcher)": lambda: local_add_rmsnorm(call),
-            "the compiled launcher alone, arguments ready": lambda: launcher(plan.grid, stream, addresses, values),
+            "the compiled launcher alone, arguments ready": lambda: launcher(stream, addresses),
             "the JIT's launch (kernel[grid](...))": lambda: plan.kernel[(plan.grid,)](
                 *tensors, call.hidden, call.eps, **plan.constexprs, **plan.options),
             "check_inputs": lambda: check_inputs(x, r, w, 1e-6),

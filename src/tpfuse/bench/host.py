@@ -16,7 +16,9 @@ every call's host work is paid on the critical path. This measures it per call, 
 
 With one GPU (no torchrun) two ranks share it, as ``scripts/loopback_latency.py`` does: rank 0's calls
 are timed, rank 1's kernels are launched after each (untimed) on a stream of their own. Under torchrun
-with one GPU a rank, the ranks are real and the slowest rank's median is reported.
+with one GPU a rank, the ranks are real and the slowest rank's median is reported. A size's rows are
+measured in turns (:data:`ROUNDS` of :data:`TURN_CALLS` calls each, the median turn reported): a
+shared host's speed drifts, and rows compared with each other see the same drift.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,8 @@ from tpfuse import select
 CALLS_PER_SYNC = 32
 #: Turns of measurements that are compared with each other (the median turn is reported).
 ROUNDS = 5
+#: Calls a row takes in one turn.
+TURN_CALLS = 1000
 EPS = 1e-6
 
 
@@ -96,7 +100,29 @@ def _launchers(tokens: int, world: int) -> dict:
     return launchers
 
 
-def _world_size_one_rows(tokens: int, hidden: int, device) -> list[dict]:
+class Row(NamedTuple):
+    """One row of the table: ``take()`` measures it once (host us); ``gpu``, if given, is timed on the
+    GPU too."""
+
+    ranks: int
+    what: str
+    take: Callable[[], float]
+    gpu: Callable[[], object] | None = None
+
+
+def _in_turns(rows: list[Row]) -> list[dict]:
+    """Every row measured :data:`ROUNDS` times in turns, so that a drift of the host's speed (seen to
+    double a call's time within seconds on a shared GPU host) hits every row alike; the median turn of
+    each, the slowest rank's."""
+    samples: list[list[float]] = [[] for _ in rows]
+    for _ in range(ROUNDS):
+        for row, found in zip(rows, samples):
+            found.append(row.take())
+    return [dict(ranks=row.ranks, what=row.what, host_us=_slowest(sorted(found)[len(found) // 2]),
+                 gpu_us=None if row.gpu is None else _gpu_us(row.gpu)) for row, found in zip(rows, samples)]
+
+
+def _world_size_one_rows(tokens: int, hidden: int, device) -> list[Row]:
     """The op on a group of one rank, and torch's chain without an all-reduce."""
     import tpfuse
 
@@ -105,15 +131,10 @@ def _world_size_one_rows(tokens: int, hidden: int, device) -> list[dict]:
                    for _ in range(2))
     weight = torch.randn(hidden, generator=g, device=device, dtype=torch.bfloat16)
     alone = dist.new_group([dist.get_rank()]) if dist.get_world_size() > 1 else dist.group.WORLD
-    fns = {"op world size 1": lambda: tpfuse.allreduce_add_rmsnorm(x, residual, weight, EPS, group=alone),
-           "torch add + rms_norm": _torch_chain(x, residual, weight, all_reduce=False)}
-    # Compared with each other: measured in turns, so that a drift of the host's speed hits both.
-    samples = {name: [] for name in fns}
-    for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            samples[name].append(host_us(fn, calls=1000))
-    return [dict(ranks=1, what=name, host_us=_slowest(sorted(found)[len(found) // 2]), gpu_us=_gpu_us(fns[name]))
-            for name, found in samples.items()]
+    op = lambda: tpfuse.allreduce_add_rmsnorm(x, residual, weight, EPS, group=alone)  # noqa: E731
+    chain = _torch_chain(x, residual, weight, all_reduce=False)
+    return [Row(1, "op world size 1", lambda: host_us(op, calls=TURN_CALLS), op),
+            Row(1, "torch add + rms_norm", lambda: host_us(chain, calls=TURN_CALLS), chain)]
 
 
 @contextlib.contextmanager
@@ -187,22 +208,24 @@ def loopback_pair(tokens: int, hidden: int, device):
         raise RuntimeError(f"tpfuse: a loopback call failed (error entries {errors}): the times are void")
 
 
-def _loopback_rows(tokens: int, hidden: int, device) -> list[dict]:
-    """Two ranks on this process's GPU: the launchers and the whole op (rank 0 timed)."""
+@contextlib.contextmanager
+def _loopback_rows(tokens: int, hidden: int, device):
+    """Two ranks on this process's GPU: the launchers and the whole op (rank 0 timed); valid while the
+    context is."""
     algorithms = list(_launchers(tokens, 2))
-    rows = []
     with loopback_pair(tokens, hidden, device) as (own, peer, op):
-        for algorithm in algorithms:
-            rows.append(dict(ranks=2, what=f"launch {algorithm}", host_us=host_us(own(algorithm),
-                                                                                  after=peer(algorithm))))
-        for algorithm in algorithms:
+        def take_op(algorithm: str) -> float:
             with op(algorithm) as call:
-                rows.append(dict(ranks=2, what=f"op {algorithm}", host_us=host_us(call, after=peer(algorithm))))
-    return rows
+                return host_us(call, after=peer(algorithm), calls=TURN_CALLS)
+
+        yield [Row(2, f"launch {a}", lambda a=a: host_us(own(a), after=peer(a), calls=TURN_CALLS))
+               for a in algorithms] + [Row(2, f"op {a}", lambda a=a: take_op(a)) for a in algorithms]
 
 
-def _group_rows(tokens: int, hidden: int, device) -> list[dict]:
-    """Real ranks (torchrun): the launchers and the op through the group's communicator."""
+@contextlib.contextmanager
+def _group_rows(tokens: int, hidden: int, device):
+    """Real ranks (torchrun): the launchers and the op through the group's communicator, beside torch's
+    chain with the group's all-reduce; valid while the context is."""
     import tpfuse
     from tpfuse.testing import forced_table
     from tpfuse.testing.cases import Case
@@ -210,22 +233,20 @@ def _group_rows(tokens: int, hidden: int, device) -> list[dict]:
     world, rank = dist.get_world_size(), dist.get_rank()
     comm = tpfuse.get_communicator(max_tokens=tokens, hidden=hidden)
     case = Case(tokens, hidden, seed=tokens)
-    inputs = case.inputs(world, device)
-    call = case.fused_call(inputs, rank)
-    rows = []
-    for algorithm, launcher in _launchers(tokens, world).items():
-        rows.append(dict(ranks=world, what=f"launch {algorithm}",
-                         host_us=_slowest(host_us(lambda: launcher(comm.fused_backend.launch, call)))))
-        oneshot_max = tokens if algorithm == select.ONESHOT else 0
-        with forced_table(world, device, oneshot_max, hiddens=(hidden,)):
+    call = case.fused_call(case.inputs(world, device), rank)
+
+    def take_op(algorithm: str) -> float:
+        with forced_table(world, device, tokens if algorithm == select.ONESHOT else 0, hiddens=(hidden,)):
             dist.barrier()
-            op = lambda: tpfuse.allreduce_add_rmsnorm(call.x, call.residual, call.weight, call.eps,  # noqa: E731
-                                                      out=call.y, residual_out=call.h)
-            rows.append(dict(ranks=world, what=f"op {algorithm}", host_us=_slowest(host_us(op))))
-    comm.check_errors()
+            return host_us(lambda: tpfuse.allreduce_add_rmsnorm(call.x, call.residual, call.weight, call.eps,
+                                                                out=call.y, residual_out=call.h), calls=TURN_CALLS)
+
     chain = _torch_chain(call.x.clone(), call.residual, call.weight, all_reduce=True)
-    rows.append(dict(ranks=world, what="torch all_reduce + add + rms_norm", host_us=_slowest(host_us(chain))))
-    return rows
+    launchers = _launchers(tokens, world)
+    yield [Row(world, f"launch {a}", lambda f=f: host_us(lambda: f(comm.fused_backend.launch, call), calls=TURN_CALLS))
+           for a, f in launchers.items()] + [Row(world, f"op {a}", lambda a=a: take_op(a)) for a in launchers] + [
+        Row(world, "torch all_reduce + add + rms_norm", lambda: host_us(chain, calls=TURN_CALLS))]
+    comm.check_errors()
 
 
 @contextlib.contextmanager
@@ -257,18 +278,19 @@ def _process_group():
 
 
 def bench_host(hiddens: list[int], tokens: list[int]) -> list[dict]:
-    """The rows of ``bench host`` (every rank returns them; call inside a process group)."""
+    """The rows of ``bench host`` (every rank returns them; call inside a process group): a size's rows
+    measured in turns (:func:`_in_turns`)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rows = []
     for hidden in hiddens:
         for n in tokens:
-            size = dict(tokens=n, hidden=hidden)
-            found = _world_size_one_rows(n, hidden, device)
-            if cuda:  # two ranks need a GPU (the interpreter runs one launch at a time)
-                found += _group_rows(n, hidden, device) if dist.get_world_size() > 1 else \
-                    _loopback_rows(n, hidden, device)
-            rows += [dict(size, **row) for row in found]
+            with contextlib.ExitStack() as stack:
+                measured = _world_size_one_rows(n, hidden, device)
+                if cuda:  # two ranks need a GPU (the interpreter runs one launch at a time)
+                    ranks = _group_rows if dist.get_world_size() > 1 else _loopback_rows
+                    measured += stack.enter_context(ranks(n, hidden, device))
+                rows += [dict(tokens=n, hidden=hidden, **row) for row in _in_turns(measured)]
     return rows
 
 

@@ -94,20 +94,21 @@ def launch(plan: LaunchPlan, call: FusedCall) -> None:
     addresses = call.kernel_addresses()
     # The JIT compiles apart for each pointer that is not 16-byte aligned and for integer values (1, a
     # multiple of 16, over 32 bits): the kernel it chose for these exact values and alignments is right
-    # for every later launch with the same. A plan sees the same values call after call (the wait
-    # bound changes only when the user sets it) and aligned pointers (the caching allocator's), so
-    # this stays a one-entry dict in practice; which pointers are misaligned is read only when one is.
-    # (The workspace's addresses are the plan's own: their alignment never changes.)
+    # for every later launch with the same, and its launcher is kept with them bound. A plan sees the
+    # same values call after call (the wait bound changes only when the user sets it) and aligned
+    # pointers (the caching allocator's), so this stays a one-entry dict in practice, keyed on the
+    # values alone; which pointers are misaligned is read only when one is. (The workspace's addresses
+    # are the plan's own: their alignment never changes.)
     x, residual, weight, y, h, steps = addresses
     bits = functools.reduce(operator.or_, steps, x | residual | weight | y | h)
-    key = (tuple(bool(a & 15) for a in _flat(addresses)) if bits & 15 else (), values)
+    key = (tuple(bool(a & 15) for a in _flat(addresses)), values) if bits & 15 else values
     run = plan.compiled.get(key)
     if run is None:
         compiled = plan.kernel[(plan.grid,)](*call.kernel_tensors(), *plan.workspace, *values, **plan.constexprs,
                                              **plan.options)
-        plan.compiled[key] = _launcher(compiled, workspace, tuple(plan.constexprs.values()))
+        plan.compiled[key] = _launcher(compiled, plan.grid, (*workspace, *values, *plan.constexprs.values()))
         return
-    run(plan.grid, torch._C._cuda_getCurrentRawStream(index), addresses, values)
+    run(torch._C._cuda_getCurrentRawStream(index), addresses)
 
 
 def _flat(addresses: list) -> list[int]:
@@ -115,9 +116,10 @@ def _flat(addresses: list) -> list[int]:
     return [b for a in addresses for b in ((a,) if a.__class__ is int else a)]
 
 
-def _launcher(compiled, workspace: tuple, constexprs: tuple):
-    """A function ``(grid, stream, addresses, values)`` that launches ``compiled`` as Triton's JIT would,
-    the ``workspace`` addresses after the call's.
+def _launcher(compiled, grid: int, tail: tuple):
+    """A function ``(stream, addresses)`` that launches ``compiled`` on ``grid`` programs as Triton's JIT
+    would, with the call's addresses and then ``tail``: the workspace's addresses, the runtime scalars
+    and the compile-time switches, all fixed for the launches it serves.
 
     Triton's launcher object (``compiled.run``) wraps a C function (which takes the kernels' ``steps``
     as one tuple, as ``FusedCall.kernel_addresses`` gives them); where the kernel needs no scratch
@@ -129,9 +131,8 @@ def _launcher(compiled, workspace: tuple, constexprs: tuple):
     fixed = ("launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")
     if direct is None or not all(hasattr(run, name) for name in fixed) or run.global_scratch_size \
             or run.profile_scratch_size:
-        return lambda grid, stream, addresses, values: run(grid, 1, 1, stream, function, metadata, None, None,
-                                                           None, *addresses, *workspace, *values, *constexprs)
+        return lambda stream, addresses: run(grid, 1, 1, stream, function, metadata, None, None, None, *addresses,
+                                             *tail)
     cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
-    return lambda grid, stream, addresses, values: direct(grid, 1, 1, stream, function, cooperative, pdl, None,
-                                                          None, metadata, None, None, None, *addresses,
-                                                          *workspace, *values, *constexprs)
+    return lambda stream, addresses: direct(grid, 1, 1, stream, function, cooperative, pdl, None, None, metadata,
+                                            None, None, None, *addresses, *tail)
