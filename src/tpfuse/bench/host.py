@@ -130,7 +130,9 @@ def _world_size_one_rows(tokens: int, hidden: int, device) -> list[Row]:
     x, residual = (torch.randn(tokens, hidden, generator=g, device=device, dtype=torch.bfloat16)
                    for _ in range(2))
     weight = torch.randn(hidden, generator=g, device=device, dtype=torch.bfloat16)
-    alone = dist.new_group([dist.get_rank()]) if dist.get_world_size() > 1 else dist.group.WORLD
+    # A group of its own even at world size 1: the loopback rows, measured in the same turns, register a
+    # two-rank communicator for the default group.
+    alone = dist.new_group([dist.get_rank()])
     op = lambda: tpfuse.allreduce_add_rmsnorm(x, residual, weight, EPS, group=alone)  # noqa: E731
     chain = _torch_chain(x, residual, weight, all_reduce=False)
     return [Row(1, "op world size 1", lambda: host_us(op, calls=TURN_CALLS), op),

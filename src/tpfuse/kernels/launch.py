@@ -68,13 +68,13 @@ class LaunchPlan:
 MAX_PLANS = 1024
 
 
-def kept_plan(plans: dict, key: tuple, make) -> LaunchPlan:
-    """``plans[key]``, made by ``make()`` the first time: the one place a launch decision is made."""
+def kept_plan(plans: dict, key: tuple, make: Callable[..., LaunchPlan], *args) -> LaunchPlan:
+    """``plans[key]``, made by ``make(*args)`` the first time: the one place a launch decision is made."""
     plan = plans.get(key)
     if plan is None:
         if len(plans) >= MAX_PLANS:
             plans.clear()
-        plan = plans[key] = make()
+        plan = plans[key] = make(*args)
     return plan
 
 

@@ -54,5 +54,5 @@ def local_add_rmsnorm(call: FusedCall) -> None:
     n_tokens = call.n_tokens
     if n_tokens == 0:
         return
-    plan = kept_plan(_plans, (call.x.device, n_tokens, call.kernel_key()), lambda: _local_plan(call))
+    plan = kept_plan(_plans, (call.x.device, n_tokens, call.kernel_key()), _local_plan, call)
     launch(plan, call)

@@ -27,7 +27,7 @@ never wait on programs of the same launch, and the grid never exceeds what is re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -153,9 +153,9 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
     _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_programs, RELAXED_ARRIVE)
 
 
-@dataclass(frozen=True)
-class OneShotVariant:
-    """Launch choices of the one-shot kernel, measured side by side in docs/kernel-notes.md."""
+class OneShotVariant(NamedTuple):
+    """Launch choices of the one-shot kernel, measured side by side in docs/kernel-notes.md (a named
+    tuple: part of every launch plan's key, and a tuple hashes at C speed)."""
 
     pdl: bool = True  # programmatic dependent launch (Hopper and newer)
     clear_first: bool = True  # clear the previous slot before waiting instead of after
@@ -195,8 +195,8 @@ def oneshot_allreduce_add_rmsnorm(ctx: LaunchContext, call: FusedCall,
 
 def oneshot_plan(ctx: LaunchContext, call: FusedCall, variant: OneShotVariant = DEFAULT_VARIANT) -> LaunchPlan:
     """The one-shot's launch plan for calls of ``call``'s kind (kept in ``ctx``): ``launch(plan, call)``."""
-    return kept_plan(ctx.plans, ("oneshot", variant, call.n_tokens, call.kernel_key()),
-                     lambda: _oneshot_plan(ctx, call, variant))
+    return kept_plan(ctx.plans, ("oneshot", variant, call.n_tokens, call.kernel_key()), _oneshot_plan, ctx, call,
+                     variant)
 
 
 def _oneshot_plan(ctx: LaunchContext, call: FusedCall, variant: OneShotVariant) -> LaunchPlan:

@@ -305,7 +305,7 @@ def twoshot_plan(ctx: LaunchContext, call: FusedCall, group_rows: int = GROUP_RO
                  max_warps: int = MAX_WARPS) -> LaunchPlan:
     """The two-shot's launch plan for calls of ``call``'s kind (kept in ``ctx``): ``launch(plan, call)``."""
     return kept_plan(ctx.plans, ("twoshot", group_rows, wire, max_warps, call.n_tokens, call.kernel_key()),
-                     lambda: _twoshot_plan(ctx, call, group_rows, wire, max_warps))
+                     _twoshot_plan, ctx, call, group_rows, wire, max_warps)
 
 
 def _twoshot_plan(ctx: LaunchContext, call: FusedCall, group_rows: int, wire: bool,
