@@ -141,13 +141,13 @@ def test_the_model_output_is_the_last_fused_norm(ir):
     assert node.target is operator.getitem and node.args[0].target is FUSED and node.args[1] == 0
 
 
-@pytest.mark.parametrize("case, reason", [
-    ("over the limit", "token range up to 128 exceeds the fusion limit 64"),
-    ("no bound", "unbounded"),
-    ("unknown group", "has no process group known to the pass"),
-    ("no communicator", "has no tpfuse communicator"),
+@pytest.mark.parametrize("case, reason, code", [
+    ("over the limit", "token range up to 128 exceeds the fusion limit 64", "tokens"),
+    ("no bound", "unbounded", "tokens"),
+    ("unknown group", "has no process group known to the pass", "no-communicator"),
+    ("no communicator", "has no tpfuse communicator", "no-communicator"),
 ])
-def test_sites_that_cannot_fuse_stay_vllms_and_say_why(case, reason):
+def test_sites_that_cannot_fuse_stay_vllms_and_say_why(case, reason, code):
     graph = vllm_graph(decoder(), *inputs(norms=2))
     before = targets(graph)
     settings = {"over the limit": dict(max_tokens=128, fusion_limit=64, vllm_groups={"tp:0": "7"}),
@@ -160,6 +160,7 @@ def test_sites_that_cannot_fuse_stay_vllms_and_say_why(case, reason):
     sites = fusion.reports[-1]
     assert len(sites) == 2 and not any(s.fused for s in sites)
     assert all(reason in s.reason for s in sites), [s.reason for s in sites]
+    assert [s.code for s in sites] == [code, code]
     assert sites[0].group_name == "tp:0"
 
 
@@ -170,6 +171,7 @@ def test_an_all_reduce_without_a_norm_after_it_says_where_it_goes():
     fusion(graph)
     (site,) = fusion.reports[-1]
     assert not site.fused and "no vLLM RMSNorm follows the all-reduce; its result goes to aten::mul" in site.reason
+    assert site.code == "no-pattern"
     # ... and it runs on tpfuse's plain all-reduce, in vLLM's group's process group
     assert site.plain
     (plain,) = [n for n in graph.nodes if n.target is torch.ops.tpfuse.all_reduce.default]
@@ -190,18 +192,20 @@ def test_a_sum_read_besides_the_residual_add_is_not_fused():
     fusion(graph)
     (site,) = fusion.reports[-1]
     assert not site.fused and "has users besides vLLM's fused_add_rms_norm" in site.reason
+    assert site.code == "outside-users"
 
 
-@pytest.mark.parametrize("hidden, dtype, reason", [(60, torch.bfloat16, "hidden size 60 is not supported"),
-                                                   (HIDDEN, torch.float32, "is not supported by the kernels")])
-def test_sizes_and_dtypes_the_kernels_lack_are_named(hidden, dtype, reason):
+@pytest.mark.parametrize("hidden, dtype, reason, code", [
+    (60, torch.bfloat16, "hidden size 60 is not supported", "hidden"),
+    (HIDDEN, torch.float32, "is not supported by the kernels", "dtype")])
+def test_sizes_and_dtypes_the_kernels_lack_are_named(hidden, dtype, reason, code):
     all_reduce, _, norm = _vllm_ops()
     graph = vllm_graph(lambda x, w: norm(all_reduce(x, "tp:0"), w, EPS), torch.randn(4, hidden, dtype=dtype),
                        torch.randn(hidden, dtype=dtype))
     fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
     fusion(graph)
     (site,) = fusion.reports[-1]
-    assert not site.fused and reason in site.reason
+    assert not site.fused and reason in site.reason and site.code == code
 
 
 def test_gemmas_fp32_weight_plus_one_fuses():
@@ -339,6 +343,7 @@ def test_group_fp8_as_vllm_writes_it_fuses_whole(form):
     (site,) = fusion.reports[-1]
     if form in ("range of 224", "groups of 48"):
         assert not site.fused and ("+-224" in site.reason if group == 16 else "groups of 48" in site.reason), site
+        assert site.code == "vllm-form"
         return
     assert site.fused and site.pattern == "AllReduceAddRMSNormDynamicQuant", site
     left = [t for t in targets(graph) if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]

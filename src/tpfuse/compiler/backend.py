@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpfuse.compiler.fusion_pass import FusionPass, SiteReport, report_graph, site_limit, summarize
+from tpfuse.compiler.reasons import Reason
 from tpfuse.compiler.sizes import describe_shape, static_int, token_count
 
 log = logging.getLogger("tpfuse.compiler")
@@ -86,12 +87,12 @@ def plan_graph(gm: torch.fx.GraphModule) -> GraphPlan:
     for group_name, reduce_op, value in dynamo_all_reduces(gm):
         hidden = static_int(value.shape[-1]) if value.dim() >= 2 else None
         if hidden is None:
-            limit, reason = 0, "the all-reduced tensor is not [..., hidden] with a static hidden size"
+            limit, reason = 0, Reason("hidden", "the all-reduced tensor is not [..., hidden] with a static hidden size")
         else:
             limit, reason = site_limit(group_name, reduce_op, hidden, value.dtype)
         tokens = token_count(value.shape)
         if reason is None and isinstance(tokens, int) and tokens > limit:
-            reason = f"{tokens} tokens exceed the fusion limit {limit}"
+            reason = Reason("tokens", f"{tokens} tokens exceed the fusion limit {limit}")
         if reason is not None:
             shape = describe_shape(value.shape)
             plan.sites.append(SiteReport(shape, value.dtype, group_name, False, None, reason))

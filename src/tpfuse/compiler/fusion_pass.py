@@ -20,6 +20,7 @@ from tpfuse.compiler.matchers import ALL_REDUCE, WAIT, meta_val
 from tpfuse.compiler.patterns import (
     PATTERNS, Match, plain_all_reduce_problem, replace_with_plain_all_reduce, site_problem, unmatched_reason,
 )
+from tpfuse.compiler.reasons import Reason, no_communicator
 from tpfuse.compiler.sizes import describe_shape, static_int, token_count
 
 log = logging.getLogger("tpfuse.compiler")
@@ -30,15 +31,25 @@ _bounds_relied_on: collections.defaultdict[str, set[str]] = collections.defaultd
 
 @dataclass(frozen=True)
 class SiteReport:
-    """One all-reduce of a compiled graph: whether it was fused, by which pattern, or why not."""
+    """One all-reduce of a compiled graph: whether it was fused, by which pattern, or why not (``reason``,
+    whose ``code`` is one of ``compiler.reasons.CODES``)."""
 
     shape: tuple
     dtype: torch.dtype
     group_name: str
     fused: bool
     pattern: str | None = None
-    reason: str | None = None
+    reason: Reason | None = None
     plain: bool = False  # not fused, but on tpfuse's plain all-reduce (``tpfuse.all_reduce``)
+
+    def __post_init__(self):
+        if not self.fused and not isinstance(self.reason, Reason):
+            raise TypeError(f"tpfuse: an unfused site's reason must be a compiler.reasons.Reason, got {self.reason!r}")
+
+    @property
+    def code(self) -> str | None:
+        """Why it stayed unfused, as a code (``compiler.reasons.CODES``); None when fused."""
+        return None if self.fused else self.reason.code
 
     def __str__(self) -> str:
         shape = "x".join(str(s) for s in self.shape)
@@ -75,7 +86,7 @@ def communicator_limit(group_name: str, hidden: int, dtype: torch.dtype) -> int:
     return comm.max_token_num(hidden, dtype) if comm is not None and not comm.destroyed else 0
 
 
-def site_limit(group_name: str, reduce_op: str, hidden: int, dtype: torch.dtype) -> tuple[int, str | None]:
+def site_limit(group_name: str, reduce_op: str, hidden: int, dtype: torch.dtype) -> tuple[int, Reason | None]:
     """(fusion limit, None) of an all-reduce site, or (0, why no token count of it can fuse): what the
     backend asks of each all-reduce of dynamo's graph, in the pass's words."""
     reason = site_problem(reduce_op, hidden, dtype)
@@ -83,8 +94,7 @@ def site_limit(group_name: str, reduce_op: str, hidden: int, dtype: torch.dtype)
         return 0, reason
     limit = communicator_limit(group_name, hidden, dtype)
     if limit <= 0:
-        return 0, (f"group {group_name!r} has no tpfuse communicator that can fuse {hidden} x {dtype} "
-                   "(call tpfuse.get_communicator before compiling)")
+        return 0, no_communicator(group_name, hidden, dtype)
     return limit, None
 
 
@@ -209,9 +219,9 @@ class FusionPass(CustomGraphPass):
     def _fuse_vllm_site(self, node: torch.fx.Node) -> tuple[SiteReport, torch.fx.Node | None]:
         shape, dtype, group_name = vllm_sites.describe(node)
         if group_name not in self.vllm_groups:
-            return SiteReport(shape, dtype, group_name, False, reason=(
-                f"vLLM group {group_name!r} has no process group known to the pass (tpfuse.engines.vllm "
-                "resolves vLLM's groups in its workers)")), None
+            return SiteReport(shape, dtype, group_name, False, reason=Reason(
+                "no-communicator", f"vLLM group {group_name!r} has no process group known to the pass "
+                                   "(tpfuse.engines.vllm resolves vLLM's groups in its workers)")), None
         match, reason = vllm_sites.find_site(node, self.vllm_groups[group_name])
         pattern = vllm_sites.pattern_of(match) if match is not None else None
         if pattern is not None:

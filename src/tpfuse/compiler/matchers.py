@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
+from tpfuse.compiler.reasons import Reason
 from tpfuse.compiler.sizes import element_count, static_int
 from tpfuse.kernels.targets import Fp8Format, fp8_format
 
@@ -416,16 +417,16 @@ def _pow2_scales(scales: Node, nodes: list[Node]) -> tuple[Node, bool]:
     return power, True
 
 
-def residual_problem(residual: object, add: Node, x: torch.Tensor, hidden: int) -> str | None:
+def residual_problem(residual: object, add: Node, x: torch.Tensor, hidden: int) -> Reason | None:
     """Why the other operand of the add is not a residual the op can take (None when it is)."""
     if not isinstance(residual, Node) or not isinstance(meta_val(residual), torch.Tensor):
-        return "the value added to the all-reduce result is not a tensor"
+        return Reason("operands", "the value added to the all-reduce result is not a tensor")
     r = meta_val(residual)
     if r.dtype != x.dtype:
-        return f"the residual's dtype {r.dtype} differs from the all-reduce's {x.dtype}"
+        return Reason("operands", f"the residual's dtype {r.dtype} differs from the all-reduce's {x.dtype}")
     if r.dim() < 1 or static_int(r.shape[-1]) != hidden or element_count(r.shape) != element_count(meta_val(add).shape):
-        return (f"the add broadcasts a {tuple(r.shape)} tensor (a bias?) over the {tuple(meta_val(add).shape)} "
-                "sum: not a residual of the same size")
+        return Reason("operands", f"the add broadcasts a {tuple(r.shape)} tensor (a bias?) over the "
+                                  f"{tuple(meta_val(add).shape)} sum: not a residual of the same size")
     return None
 
 

@@ -67,23 +67,25 @@ from tpfuse.compiler.matchers import (
     residual_problem,
     row_views,
 )
+from tpfuse.compiler.reasons import DYNAMIC_HIDDEN, Reason, no_communicator
 from tpfuse.compiler.sizes import element_count, size_expr, static_int, token_count
 from tpfuse.kernels.reference import dynamic_fp8
 from tpfuse.kernels.targets import fp8_format
 
 
-def site_problem(reduce_op: str, hidden: int, dtype: torch.dtype) -> str | None:
+def site_problem(reduce_op: str, hidden: int, dtype: torch.dtype) -> Reason | None:
     """Why no all-reduce of this op, hidden size and dtype can fuse, whatever its group (None: it can).
 
     The backend asks it of dynamo's graph and the patterns of the post-grad graph, so both give the
     same reasons.
     """
     if reduce_op != "sum":
-        return f"all-reduce op is {reduce_op!r}, not 'sum'"
+        return Reason("reduce-op", f"all-reduce op is {reduce_op!r}, not 'sum'")
     if dtype not in select.KERNEL_DTYPES:
-        return f"{hidden} x {dtype} is not supported by the kernels"
+        return Reason("dtype", f"{hidden} x {dtype} is not supported by the kernels")
     if not select.kernel_supports(hidden, dtype):
-        return f"hidden size {hidden} is not supported (a multiple of 8 up to {select.MAX_KERNEL_HIDDEN})"
+        return Reason("hidden", f"hidden size {hidden} is not supported (a multiple of 8 up to "
+                                f"{select.MAX_KERNEL_HIDDEN})")
     return None
 
 
@@ -104,7 +106,7 @@ class Match:
     quant_scale: Node | None = None  # static fp8: its scale
     internal: list[Node] = field(default_factory=list)  # may only be used inside the match
     aliases: list[Node] = field(default_factory=list)  # views of the sum before h: may have other users
-    problem: str | None = None  # the structure matched but cannot be fused (why)
+    problem: Reason | None = None  # the structure matched but cannot be fused (why)
     x_scale: object = None  # a number or one-element tensor the sum is multiplied by (Gemma's embedding)
     biases: list = field(default_factory=list)  # [H] tensors added to the sum (one a branch)
     x_other: Node | None = None  # the second branch's all-reduce input: x + x_other is all-reduced once
@@ -124,15 +126,15 @@ class Match:
         """The site's token count: an int, or a sympy expression of the graph's size symbols."""
         return token_count(meta_val(self.h).shape)
 
-def token_limit_problem(tokens, token_bound, fusion_limit: int, how_to_bound: str) -> str | None:
+def token_limit_problem(tokens, token_bound, fusion_limit: int, how_to_bound: str) -> Reason | None:
     """Why a site of ``tokens`` (an int or an expression) may run with more than ``fusion_limit`` (None: it
     may not); ``token_bound`` as for :meth:`FusionPattern.extra_check`, ``how_to_bound`` what gives a
     graph a bound (for the reason)."""
     bound = tokens if isinstance(tokens, int) else token_bound(tokens)
     if bound is None:
-        return f"the token count {tokens} of this graph is unbounded ({how_to_bound})"
+        return Reason("tokens", f"the token count {tokens} of this graph is unbounded ({how_to_bound})")
     if bound > fusion_limit:
-        return f"token range up to {bound} exceeds the fusion limit {fusion_limit}"
+        return Reason("tokens", f"token range up to {bound} exceeds the fusion limit {fusion_limit}")
     return None
 
 
@@ -255,7 +257,8 @@ class FusionPattern:
                 return None
             out, m.weight, m.eps, nodes = norm
         if self.sum_norm and sum_eps != m.eps:
-            m.problem = m.problem or f"the post-norm's eps {sum_eps} differs from the norm's {m.eps}"
+            m.problem = m.problem or Reason("operands", f"the post-norm's eps {sum_eps} differs from the norm's "
+                                                        f"{m.eps}")
         if self.quant == "static":
             quant = match_static_fp8(out)
             if quant is None:
@@ -272,8 +275,8 @@ class FusionPattern:
             if any(u not in quant_nodes for u in out.users):
                 m.normed = out
                 if meta_val(out).dtype != meta_val(x).dtype:
-                    m.problem = m.problem or ("the norm's result is read besides its quantisation in "
-                                              f"{meta_val(out).dtype}, not the input's dtype")
+                    m.problem = m.problem or Reason("operands", "the norm's result is read besides its "
+                                                    f"quantisation in {meta_val(out).dtype}, not the input's dtype")
             nodes = nodes + ([out] if m.normed is None else []) + quant_nodes
             out = q_out
         m.out = out
@@ -281,7 +284,7 @@ class FusionPattern:
         m.internal = list(dict.fromkeys([all_reduce] + m.merged + m.internal + nodes))
         return m
 
-    def extra_check(self, m: Match, token_bound, fusion_limit: int) -> str | None:
+    def extra_check(self, m: Match, token_bound, fusion_limit: int) -> Reason | None:
         """Why ``m`` must stay unfused (a reason for the log), or None to fuse it.
 
         ``token_bound(tokens)`` gives the largest token count the graph runs this site with (or None
@@ -296,13 +299,13 @@ class FusionPattern:
         if reason is not None:
             return reason
         if fusion_limit <= 0:
-            return (f"group {m.group_name!r} has no tpfuse communicator that can fuse {m.hidden} x {x.dtype} "
-                    "(call tpfuse.get_communicator before compiling)")
+            return no_communicator(m.group_name, m.hidden, x.dtype)
         if element_count(x.shape) != element_count(meta_val(m.h).shape):
-            return f"the all-reduced {tuple(x.shape)} is broadcast by the add to {tuple(meta_val(m.h).shape)}"
+            return Reason("operands", f"the all-reduced {tuple(x.shape)} is broadcast by the add to "
+                                      f"{tuple(meta_val(m.h).shape)}")
         if m.x_other is not None and (meta_val(m.x_other).dtype != x.dtype or element_count(meta_val(m.x_other).shape)
                                       != m.x_other_copies * element_count(x.shape)):
-            return "the two all-reduced branches differ in dtype or size"
+            return Reason("operands", "the two all-reduced branches differ in dtype or size")
         gains = [("the norm weight", m.weight), ("the post-norm weight", m.sum_weight),
                  ("the LayerNorm bias", m.norm_bias)] + [("the bias", b) for b in m.biases]
         for what, node in gains:
@@ -310,25 +313,26 @@ class FusionPattern:
                 continue
             w = meta_val(node) if isinstance(node, Node) else None
             if w is None or tuple(w.shape) != (m.hidden,) or w.dtype not in (x.dtype, torch.float32):
-                return f"{what} is not a [hidden] tensor of the input's dtype or float32"
+                return Reason("operands", f"{what} is not a [hidden] tensor of the input's dtype or float32")
         if m.x_scale is not None and isinstance(m.x_scale, Node) and not meta_val(m.x_scale).is_floating_point():
-            return "the sum is multiplied by an integer tensor"
+            return Reason("operands", "the sum is multiplied by an integer tensor")
         if m.quant_scale is not None and (meta_val(m.quant_scale) is None
                                           or meta_val(m.quant_scale).dtype != torch.float32
                                           or meta_val(m.quant_scale).numel() != 1):
-            return "the fp8 scale is not a float32 tensor of one element"
+            return Reason("operands", "the fp8 scale is not a float32 tensor of one element")
         if meta_val(m.out).dtype != (fp8_of(m.out).dtype if self.quant else x.dtype):
-            return "the norm's result dtype differs from the input's (e.g. an fp32 weight multiplied last)"
+            return Reason("operands", "the norm's result dtype differs from the input's (e.g. an fp32 weight "
+                                      "multiplied last)")
         allowed = set(m.internal) | {m.out, m.h} | ({m.scales, m.normed} - {None})
         for node in m.internal:
             if any(u not in allowed for u in node.users):
                 what = "the pre-add sum" if node.target in (WAIT,) + VIEWS else "an intermediate value"
-                return f"{what} of the pattern has users outside it"
+                return Reason("outside-users", f"{what} of the pattern has users outside it")
         outputs = [m.out, m.h] + m.aliases + [n for n in (m.scales, m.normed) if n is not None]
         for node in outputs:
             if any(static_int(s) is None and _size_source(m.all_reduce.graph, s, m) is None
                    for s in meta_val(node).shape):
-                return f"no input of the graph carries the sizes of {tuple(meta_val(node).shape)}"
+                return Reason("sizes", f"no input of the graph carries the sizes of {tuple(meta_val(node).shape)}")
         return token_limit_problem(m.tokens, token_bound, fusion_limit, "compile with tpfuse.compile")
 
     def replace(self, graph: Graph, m: Match) -> None:
@@ -475,18 +479,18 @@ def graph_caller(graph: Graph, like: Node):
     return call
 
 
-def plain_all_reduce_problem(x: Node, reduce_op: str, token_bound, fusion_limit: int) -> str | None:
+def plain_all_reduce_problem(x: Node, reduce_op: str, token_bound, fusion_limit: int) -> Reason | None:
     """Why the all-reduce of ``x`` cannot run on tpfuse's plain all-reduce (None: it can): the kernels'
     dtypes and sizes, and the most tokens the graph runs it with against ``fusion_limit``."""
     val = meta_val(x)
     hidden = static_int(val.shape[-1]) if isinstance(val, torch.Tensor) and val.dim() else None
     if hidden is None:
-        return "the hidden size (last dimension) is dynamic"
+        return DYNAMIC_HIDDEN
     problem = site_problem(reduce_op, hidden, val.dtype)
     if problem is not None:
         return problem
     if fusion_limit <= 0:
-        return "its group has no tpfuse communicator"
+        return Reason("no-communicator", "its group has no tpfuse communicator")
     return token_limit_problem(token_count(val.shape), token_bound, fusion_limit, "no bound given")
 
 
@@ -611,23 +615,25 @@ PATTERNS: list[FusionPattern] = sorted((_pattern(s) for s in combinations()),
 PATTERNS_BY_NAME: dict[str, FusionPattern] = {pattern.name: pattern for pattern in PATTERNS}
 
 
-def unmatched_reason(all_reduce: Node) -> str:
+def unmatched_reason(all_reduce: Node) -> Reason:
     """Why no pattern starts at ``all_reduce`` (the first thing the site lacks)."""
     wait = only_user(all_reduce)
     if not is_call(wait, WAIT):
-        return "the all-reduce's result is not waited on directly"
+        return Reason("no-pattern", "the all-reduce's result is not waited on directly")
     hidden = static_int(meta_val(wait).shape[-1]) if meta_val(wait) is not None and meta_val(wait).dim() else None
     if hidden is None:
-        return "the hidden size (last dimension) is dynamic"
+        return DYNAMIC_HIDDEN
     problem = site_problem(all_reduce.args[1], hidden, meta_val(wait).dtype)
     if problem is not None:  # said first: an fp32 model's norm has no casts, so no norm is found either
         return problem
     end = row_views(wait, hidden)[-1]
     if any(u.op == "output" for u in end.users):
-        return ("the all-reduce's result leaves the compiled graph before its add and norm (a graph break "
-                "between them? torch._dynamo.explain(model)(...) lists the breaks)")
+        return Reason("graph-break", "the all-reduce's result leaves the compiled graph before its add and norm "
+                                     "(a graph break between them? torch._dynamo.explain(model)(...) lists the "
+                                     "breaks)")
     users = [u.target for u in end.users]
-    return ("no norm follows the all-reduce as a pattern has it (RMSNorm or LayerNorm, after a residual add, "
-            "a bias or a post-norm: tpfuse.compiler.PATTERNS); its result goes to "
-            f"{', '.join(str(getattr(t, '__name__', t)) for t in users) or 'nothing'} (if the model has "
-            "a norm here: is eps a graph input? tpfuse.compile traces with specialize_float=True)")
+    return Reason("no-pattern", "no norm follows the all-reduce as a pattern has it (RMSNorm or LayerNorm, after "
+                                "a residual add, a bias or a post-norm: tpfuse.compiler.PATTERNS); its result goes "
+                                f"to {', '.join(str(getattr(t, '__name__', t)) for t in users) or 'nothing'} (if "
+                                "the model has a norm here: is eps a graph input? tpfuse.compile traces with "
+                                "specialize_float=True)")

@@ -41,6 +41,7 @@ from tpfuse.compiler.matchers import (
     residual_problem,
 )
 from tpfuse.compiler.patterns import PATTERNS_BY_NAME, FusionPattern, Match, site_problem
+from tpfuse.compiler.reasons import DYNAMIC_HIDDEN, Reason
 from tpfuse.compiler.sizes import describe_shape, static_int
 from tpfuse.kernels.block_end import SCALES_COLUMNS, SCALES_ROWS
 
@@ -124,14 +125,14 @@ def _the_one(graph: Graph, node: Node, found: list[Node], target, args: tuple, v
     return made
 
 
-def find_site(all_reduce: Node, group_name: str) -> tuple[Match | None, str | None]:
+def find_site(all_reduce: Node, group_name: str) -> tuple[Match | None, Reason | None]:
     """(the site as a :class:`Match` in the c10d group ``group_name``, None) or (None, why no site starts
     here); the pattern's ``extra_check`` then says whether it may fuse (:func:`pattern_of`). A norm's
     outputs that nothing reads get a node (the match names both); a site that does not fuse leaves it
     to dead-code removal."""
     val = meta_val(all_reduce)
     if not isinstance(val, torch.Tensor) or val.dim() < 1 or static_int(val.shape[-1]) is None:
-        return None, "the hidden size (last dimension) is dynamic"
+        return None, DYNAMIC_HIDDEN
     hidden = static_int(val.shape[-1])
     problem = site_problem("sum", hidden, val.dtype)
     if problem is not None:  # said first: an fp32 model's norm has no casts, so no norm is found either
@@ -155,25 +156,27 @@ def find_site(all_reduce: Node, group_name: str) -> tuple[Match | None, str | No
     if reason is not None:
         return None, reason
     targets = ", ".join(op_name(u) or str(getattr(u.target, "__name__", u.target)) for u in users)
-    return None, f"no vLLM RMSNorm follows the all-reduce; its result goes to {targets or 'nothing'}"
+    return None, Reason("no-pattern", f"no vLLM RMSNorm follows the all-reduce; its result goes to "
+                                      f"{targets or 'nothing'}")
 
 
-def _ir_site(all_reduce: Node, group_name: str, hidden: int, norm: Node) -> tuple[Match | None, str | None]:
+def _ir_site(all_reduce: Node, group_name: str, hidden: int, norm: Node) -> tuple[Match | None, Reason | None]:
     """The site of vLLM's IR norm ``norm`` (``fused_add_rms_norm`` or ``rms_norm``) of the sum."""
     x, val = all_reduce.args[0], meta_val(all_reduce)
     if op_name(norm) == ADD_NORM:
         if len(all_reduce.users) != 1:
-            return None, ("the all-reduce's result has users besides vLLM's fused_add_rms_norm (the fused "
-                          "op gives the sum only after the residual add)")
+            return None, Reason("outside-users", "the all-reduce's result has users besides vLLM's "
+                                                 "fused_add_rms_norm (the fused op gives the sum only after the "
+                                                 "residual add)")
         residual = norm.args[1] if norm.args[0] is all_reduce else norm.args[0]
         weight, eps, variance_size = _arg(norm, 2, "weight"), _arg(norm, 3, "epsilon"), _arg(norm, 4, "variance_size")
     else:
         residual = None
         weight, eps, variance_size = _arg(norm, 1, "weight"), _arg(norm, 2, "epsilon"), _arg(norm, 3, "variance_size")
     if weight is None:
-        return None, "vLLM's norm has no weight"
+        return None, Reason("vllm-form", "vLLM's norm has no weight")
     if variance_size is not None:
-        return None, "vLLM's norm takes its variance over part of the row (variance_size)"
+        return None, Reason("vllm-form", "vLLM's norm takes its variance over part of the row (variance_size)")
     graph = all_reduce.graph
     after = next(iter(norm.users)) if residual is None and len(norm.users) == 1 else None
     if after is not None and op_name(after) == ADD_NORM and after.args[0] is norm and len(all_reduce.users) == 1:
@@ -185,7 +188,7 @@ def _ir_site(all_reduce: Node, group_name: str, hidden: int, norm: Node) -> tupl
                           float(norm_eps), hidden, residual=after.args[1], internal=[all_reduce, norm, after],
                           sum_weight=weight)
             match.problem = residual_problem(match.residual, all_reduce, val, hidden) or (
-                f"the post-norm's eps {float(eps)} differs from the norm's {float(norm_eps)}"
+                Reason("operands", f"the post-norm's eps {float(eps)} differs from the norm's {float(norm_eps)}")
                 if float(eps) != float(norm_eps) else None)
             return match, None
     if residual is None:  # h is the sum itself; its other users read the op's h
@@ -198,15 +201,17 @@ def _ir_site(all_reduce: Node, group_name: str, hidden: int, norm: Node) -> tupl
 
 
 
-def _quantised_site(all_reduce: Node, group_name: str, hidden: int, fused: Node) -> tuple[Match | None, str | None]:
+def _quantised_site(all_reduce: Node, group_name: str, hidden: int,
+                    fused: Node) -> tuple[Match | None, Reason | None]:
     """The site of vLLM's own norm + static fp8 op ``fused`` (auto_functionalized) of the sum."""
     x, kw = all_reduce.args[0], fused.kwargs
     graph = all_reduce.graph
     _drop_unread_outputs(fused)
     if functionalized(fused) == ADD_NORM_QUANT:
         if len(all_reduce.users) != 1:
-            return None, ("the all-reduce's result has users besides vLLM's fused_add_rms_norm_static_fp8_quant "
-                          "(the fused op gives the sum only after the residual add)")
+            return None, Reason("outside-users", "the all-reduce's result has users besides vLLM's "
+                                                 "fused_add_rms_norm_static_fp8_quant (the fused op gives the sum "
+                                                 "only after the residual add)")
         return Match(all_reduce, x, group_name, "sum", _output(graph, fused, 2), _output(graph, fused, 1),
                      kw["weight"], float(kw["epsilon"]), hidden, residual=kw["residual"], quant_scale=kw["scale"],
                      internal=[all_reduce, fused]), None
@@ -241,16 +246,18 @@ def _with_group_quant(match: Match, quant: Node) -> Match:
     fmt, hidden = fp8_of(match.out), match.hidden
     group = int(kw["group_size"])
     if not (group == hidden or (group >= 8 and group & (group - 1) == 0 and hidden % group == 0)):
-        match.problem = f"vLLM's fp8 groups of {group} are not the hidden size {hidden} or a power of two dividing it"
+        match.problem = Reason("vllm-form", f"vLLM's fp8 groups of {group} are not the hidden size {hidden} or a "
+                                            "power of two dividing it")
     if float(kw["fp8_max"]) != fmt.max or float(kw["fp8_min"]) != -fmt.max:
-        match.problem = match.problem or (f"vLLM quantises to +-{kw['fp8_max']}, not the fp8 range of the op "
-                                          f"on this device (+-{fmt.max})")
+        match.problem = match.problem or Reason("vllm-form", f"vLLM quantises to +-{kw['fp8_max']}, not the fp8 "
+                                                             f"range of the op on this device (+-{fmt.max})")
     scales_val = meta_val(kw["output_s"])
     layout = _scale_layout(scales_val, hidden // group if group and hidden % group == 0 else 0)
     if layout is None:
-        match.problem = match.problem or (f"vLLM's fp8 scales {tuple(scales_val.shape)} with strides "
-                                          f"{tuple(scales_val.stride())} are neither row-major nor the op's "
-                                          "column-major layout (tokens padded to 4)")
+        match.problem = match.problem or Reason("vllm-form", f"vLLM's fp8 scales {tuple(scales_val.shape)} with "
+                                                             f"strides {tuple(scales_val.stride())} are neither "
+                                                             "row-major nor the op's column-major layout (tokens "
+                                                             "padded to 4)")
     _drop_unread_outputs(quant)
     match.internal = match.internal + [match.out, quant]
     match.scale_group, match.ue8m0, match.scale_layout = group, bool(kw["scale_ue8m0"]), layout or SCALES_ROWS
