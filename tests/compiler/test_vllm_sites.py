@@ -10,7 +10,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tpfuse.compiler import FusionPass
-from tpfuse.compiler.vllm_sites import op_name
+from tpfuse.compiler.vllm_sites import functionalized, op_name
 
 HIDDEN, EPS = 64, 1e-6
 FUSED = torch.ops.tpfuse.allreduce_add_rmsnorm.default
@@ -232,6 +232,8 @@ C_SCHEMAS = {
     "per_token_group_fp8_quant": ("(Tensor input, Tensor(a!) output_q, Tensor(b!) output_s, int group_size, "
                                   "float eps, float fp8_min, float fp8_max, bool scale_ue8m0, "
                                   "bool dummy_is_scale_transposed, bool dummy_is_tma_aligned) -> ()"),
+    "scaled_fp4_quant": ("(Tensor(a!) output, Tensor input, Tensor(b!) output_scale, Tensor input_scale, "
+                         "bool is_sf_swizzled_layout) -> ()"),
 }
 
 
@@ -358,3 +360,59 @@ def test_group_fp8_as_vllm_writes_it_fuses_whole(form):
     outputs = next(n for n in graph.nodes if n.op == "output").args[0]
     assert outputs[1].meta["val"].stride() == (
         (1, 8) if form == "columns" else (HIDDEN // group, 1)), outputs[1].meta["val"].stride()
+
+
+@pytest.mark.parametrize("form", ["swizzled", "linear", "global scale of two"])
+def test_nvfp4_as_vllm_writes_it_fuses_whole(form):
+    """vLLM's ``scaled_fp4_quant`` after its norm (NVFP4 on Blackwell): one ``allreduce_add_rmsnorm_quant``
+    with ``fp4=NVFP4`` and vLLM's ``input_scale`` as the global scale; its codes where vLLM's were, its
+    swizzled scales as the int32 words vLLM allocates. Linear scales, or a global scale that is not one
+    float, stay vLLM's, saying why."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    from tpfuse.kernels.block_end import FP4_NVFP4
+
+    all_reduce, add_norm, _ = _vllm_ops()
+    ops = _vllm_fp8_ops()
+    swizzled = form != "linear"
+
+    def forward(x, weight, global_scale):
+        residual = x * 2
+        out, h = add_norm(all_reduce(x, "tp:0"), residual, weight, EPS)
+        tokens = out.shape[0]
+        q = torch.empty((tokens, HIDDEN // 2), dtype=torch.uint8)
+        if swizzled:  # as vLLM's scaled_fp4_quant allocates them: rows to 128, groups to 4, four an int32
+            rows, groups = (tokens + 127) // 128 * 128, (HIDDEN // 16 + 3) // 4 * 4
+            scales = torch.empty((rows, groups // 4), dtype=torch.int32)
+        else:
+            scales = torch.empty((tokens, HIDDEN // 16), dtype=torch.uint8)
+        _, q, scales = auto_functionalized(ops.scaled_fp4_quant.default, output=q, input=out, output_scale=scales,
+                                           input_scale=global_scale, is_sf_swizzled_layout=swizzled)
+        return q, scales, h
+
+    global_scale = torch.full((2,) if form == "global scale of two" else (1,), 448.0 * 6)
+    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16), torch.randn(HIDDEN, dtype=torch.bfloat16),
+                       global_scale)
+    fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
+    fusion(graph)
+    (site,) = fusion.reports[-1]
+    if form != "swizzled":
+        assert not site.fused and site.code == "vllm-form", site
+        assert ("linear" if form == "linear" else "global scale") in site.reason, site
+        assert [n for n in graph.nodes if functionalized(n) == "_C::scaled_fp4_quant"], "vLLM's quant op is gone"
+        return
+    assert site.fused and site.pattern == "AllReduceAddRMSNormDynamicQuant", site
+    left = [t for t in targets(graph) if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
+    assert left == [], left
+    (op,) = [n for n in graph.nodes if n.target is torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default]
+    assert op.kwargs["fp4"] == FP4_NVFP4 and op.kwargs["global_scale"].op == "placeholder"
+    assert op.args[1] is not None  # the residual
+    outputs = next(n for n in graph.nodes if n.op == "output").args[0]
+    codes, scales = (o.meta["val"] for o in outputs[:2])
+    assert codes.dtype == torch.uint8 and codes.shape[-1] == HIDDEN // 2
+    # vLLM's output_scale: the op's e4m3 scales as int32 words, four to a word, rows padded to 128
+    assert scales.dtype == torch.int32 and scales.shape[-1] == (HIDDEN // 16 + 3) // 4
+    base = outputs[1]
+    while base.target is torch.ops.aten.view.dtype:
+        base = base.args[0]
+    assert base.target is operator.getitem and base.args[0] is op and base.meta["val"].dtype == torch.float8_e4m3fn

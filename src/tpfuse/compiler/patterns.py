@@ -119,6 +119,8 @@ class Match:
     ue8m0: bool = False  # dynamic fp8: scales rounded up to powers of two
     scale_layout: int = 0  # dynamic fp8: where the scales go (kernels.block_end.SCALES_*)
     normed: Node | None = None  # a quantised site's norm result, read besides the quantisation
+    fp4: int = 0  # fp4 output (kernels.block_end.FP4_*): the scales are the op's in their own layout
+    global_scale: Node | None = None  # NVFP4: the global scale
     finalize: Finalize | None = None  # the MoE finalize that makes x, done in the op instead
 
     @property
@@ -320,7 +322,7 @@ class FusionPattern:
                                           or meta_val(m.quant_scale).dtype != torch.float32
                                           or meta_val(m.quant_scale).numel() != 1):
             return Reason("operands", "the fp8 scale is not a float32 tensor of one element")
-        if meta_val(m.out).dtype != (fp8_of(m.out).dtype if self.quant else x.dtype):
+        if meta_val(m.out).dtype != (torch.uint8 if m.fp4 else fp8_of(m.out).dtype if self.quant else x.dtype):
             return Reason("operands", "the norm's result dtype differs from the input's (e.g. an fp32 weight "
                                       "multiplied last)")
         allowed = set(m.internal) | {m.out, m.h} | ({m.scales, m.normed} - {None})
@@ -328,7 +330,8 @@ class FusionPattern:
             if any(u not in allowed for u in node.users):
                 what = "the pre-add sum" if node.target in (WAIT,) + VIEWS else "an intermediate value"
                 return Reason("outside-users", f"{what} of the pattern has users outside it")
-        outputs = [m.out, m.h] + m.aliases + [n for n in (m.scales, m.normed) if n is not None]
+        # (fp4 scales are the op's own tensor, its rows padded: no size of theirs is looked for)
+        outputs = [m.out, m.h] + m.aliases + [n for n in (None if m.fp4 else m.scales, m.normed) if n is not None]
         for node in outputs:
             if any(static_int(s) is None and _size_source(m.all_reduce.graph, s, m) is None
                    for s in meta_val(node).shape):
@@ -366,11 +369,11 @@ class FusionPattern:
             r2 = call(aten.reshape.default, m.residual, [-1, hidden]) if m.residual is not None else None
             steps = {"bias": bias, "sum_weight": m.sum_weight, "layer_norm": self.layer_norm,
                      "norm_bias": m.norm_bias, **finalize}
-            if m.normed is not None or m.ue8m0 or m.scale_layout:  # the op with every quantised output
+            if m.normed is not None or m.ue8m0 or m.scale_layout or m.fp4:  # the op with every quantised output
                 op = torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default
                 fused = call(op, x2, r2, m.weight, m.eps, m.group_name, quant_scale=m.quant_scale,
                              scale_group=m.scale_group, ue8m0_scales=m.ue8m0, scale_layout=m.scale_layout,
-                             normed_copy=m.normed is not None, **steps)
+                             normed_copy=m.normed is not None, fp4=m.fp4, global_scale=m.global_scale, **steps)
                 y2, scales, h2, normed = (call(operator.getitem, fused, i) for i in range(4))
                 if m.normed is not None:
                     m.normed.replace_all_uses_with(call(aten.reshape.default, normed,
@@ -383,7 +386,11 @@ class FusionPattern:
                 op = torch.ops.tpfuse.allreduce_add_rmsnorm.default
                 fused = call(op, x2, r2, m.weight, m.eps, m.group_name, quant_scale=m.quant_scale, **steps)
                 y2, h2 = call(operator.getitem, fused, 0), call(operator.getitem, fused, 1)
-            if m.scales is not None:
+            if m.scales is not None and m.fp4:  # the op's scales, as the bytes of the dtype the graph had
+                wanted = meta_val(m.scales).dtype
+                m.scales.replace_all_uses_with(scales if meta_val(scales).dtype == wanted else
+                                               call(aten.view.dtype, scales, wanted))
+            elif m.scales is not None:
                 m.scales.replace_all_uses_with(call(aten.reshape.default, scales,
                                                     shape_args(meta_val(m.scales).shape)))
             y = call(aten.reshape.default, y2, shape_args(meta_val(m.out).shape))

@@ -17,6 +17,9 @@ and with static fp8 output (one fp32 scale; vLLM's CUDA ops, inside ``auto_funct
     q = _C.rms_norm_static_fp8_quant(s, weight, scale, eps)
     q = _C.static_scaled_fp8_quant(out, scale)                                        # after either norm
 
+and, after either norm, dynamic fp8 with a scale a group (``_C.per_token_group_fp8_quant``, DeepSeek-V3's
+block fp8) or NVFP4 (``_C.scaled_fp4_quant``, Blackwell), whose scales the op writes where vLLM's were
+
 (the kernels divide by the scale where vLLM's multiply by its reciprocal: one rounding apart).
 
 After::
@@ -43,7 +46,7 @@ from tpfuse.compiler.matchers import (
 from tpfuse.compiler.patterns import PATTERNS_BY_NAME, FusionPattern, Match, site_problem
 from tpfuse.compiler.reasons import DYNAMIC_HIDDEN, Reason
 from tpfuse.compiler.sizes import describe_shape, static_int
-from tpfuse.kernels.block_end import SCALES_COLUMNS, SCALES_ROWS
+from tpfuse.kernels.block_end import FP4_GROUP, FP4_NVFP4, SCALES_COLUMNS, SCALES_ROWS
 
 ALL_REDUCE = "vllm::all_reduce"
 ADD_NORM = "vllm_ir::fused_add_rms_norm"
@@ -57,6 +60,9 @@ QUANT = "_C::static_scaled_fp8_quant"  # result, input, scale, group_shape
 # vLLM's dynamic fp8 with a scale a group of elements (DeepSeek-V3's block fp8): input, output_q, output_s,
 # group_size, eps, fp8_min, fp8_max, scale_ue8m0 (and layout hints); output_s's strides give the layout.
 GROUP_QUANT = "_C::per_token_group_fp8_quant"
+# vLLM's NVFP4 quantisation (Blackwell): output (uint8 codes), input, output_scale (e4m3 scales, four to an
+# int32, in the 128 x 4 tiles of the FP4 GEMMs), input_scale (the global scale), is_sf_swizzled_layout.
+FP4_QUANT = "_C::scaled_fp4_quant"
 
 
 def op_name(node: Node) -> str | None:
@@ -225,6 +231,8 @@ def _with_quant(match: Match) -> Match:
     quant = next(iter(match.out.users)) if len(match.out.users) == 1 else None
     if quant is not None and functionalized(quant) == GROUP_QUANT and quant.kwargs["input"] is match.out:
         return _with_group_quant(match, quant)
+    if quant is not None and functionalized(quant) == FP4_QUANT and quant.kwargs["input"] is match.out:
+        return _with_fp4_quant(match, quant)
     if quant is None or functionalized(quant) != QUANT or quant.kwargs["input"] is not match.out \
             or quant.kwargs.get("group_shape") is not None:
         return match
@@ -261,6 +269,35 @@ def _with_group_quant(match: Match, quant: Node) -> Match:
     _drop_unread_outputs(quant)
     match.internal = match.internal + [match.out, quant]
     match.scale_group, match.ue8m0, match.scale_layout = group, bool(kw["scale_ue8m0"]), layout or SCALES_ROWS
+    match.out, match.scales = _output(graph, quant, 1), _output(graph, quant, 2)
+    return match
+
+
+def _with_fp4_quant(match: Match, quant: Node) -> Match:
+    """``match`` continued into vLLM's ``scaled_fp4_quant`` of its output: NVFP4 codes and e4m3 scales a 16
+    elements in the swizzled 128 x 4 tiles (the op's ``fp4=FP4_NVFP4`` with vLLM's ``input_scale`` as
+    ``global_scale``); the op's scales replace vLLM's ``output_scale`` as the same bytes, four to an int32
+    as vLLM allocates them. vLLM multiplies each group by ``1 / (s / g)``, the kernels by ``g / s``: one
+    rounding apart. Linear (unswizzled) scales or scales of another size stay vLLM's."""
+    kw, graph, hidden = quant.kwargs, match.all_reduce.graph, match.hidden
+    group = FP4_GROUP[FP4_NVFP4]
+    scales_val, global_val = meta_val(kw["output_scale"]), meta_val(kw["input_scale"])
+    columns = -(-(hidden // group) // 4) * 4  # the op's scale bytes a row: the groups rounded up to 4
+    if hidden % group:
+        match.problem = Reason("vllm-form", f"NVFP4 scales {group} elements each: the hidden size {hidden} is not "
+                                            "a multiple")
+    elif not kw.get("is_sf_swizzled_layout", True):
+        match.problem = Reason("vllm-form", "vLLM's NVFP4 scales are linear here; the op writes the swizzled "
+                                            "128 x 4 tiles of the FP4 GEMMs")
+    elif scales_val.dim() != 2 or scales_val.stride()[-1] != 1 or \
+            static_int(scales_val.shape[1]) != columns // scales_val.element_size():
+        match.problem = Reason("vllm-form", f"vLLM's NVFP4 scales {tuple(scales_val.shape)} {scales_val.dtype} "
+                                            f"are not {columns} bytes a row, contiguous")
+    elif global_val is None or global_val.dtype != torch.float32 or global_val.numel() != 1:
+        match.problem = Reason("vllm-form", "vLLM's NVFP4 global scale is not a float32 tensor of one element")
+    _drop_unread_outputs(quant)
+    match.internal = match.internal + [match.out, quant]
+    match.fp4, match.global_scale = FP4_NVFP4, kw["input_scale"]
     match.out, match.scales = _output(graph, quant, 1), _output(graph, quant, 2)
     return match
 
