@@ -210,11 +210,12 @@ FAMILIES_EMBEDDING_FROM_5_24 = {"Llama4": "AllReduceRMSNorm", "DeepseekV3": "All
                                 "Phi": "AllReduceLayerNorm", "Granite": "AllReduceScaledRMSNorm"}
 
 
-# From transformers 5.24 (seen 2026-12-03, 2 CPU ranks), all-reduces no block end takes in: Qwen2-MoE's
-# shared expert and routed experts, each all-reduced apart (two more sites) and then added; OLMo 2/3's and
-# EXAONE 4's first, read by reshapes and an add before the post-norm. They run on tpfuse's plain all-reduce
-# (a kernel call each, as a fused site's).
-PLAIN_FROM_5_24 = {"Qwen2Moe": (2, 2), "Olmo2": (0, 1), "Olmo3": (0, 1), "Exaone4": (0, 1)}  # (new sites, plain)
+# From transformers 5.24 (seen 2026-12-03, 2 CPU ranks): Qwen2-MoE's routed experts all-reduced (two more
+# sites, one a layer), then added to the gated shared expert (whole on every rank) and the residual: fused
+# with both terms as the residual (2026-12-04). All-reduces no block end takes in: OLMo 2/3's and EXAONE 4's
+# first, read by reshapes and an add before the post-norm. They run on tpfuse's plain all-reduce (a kernel
+# call each, as a fused site's).
+PLAIN_FROM_5_24 = {"Qwen2Moe": (2, 0), "Olmo2": (0, 1), "Olmo3": (0, 1), "Exaone4": (0, 1)}  # (new sites, plain)
 
 
 @pytest.mark.families

@@ -409,3 +409,44 @@ def test_the_norms_copy_and_ue8m0_scales_fuse_into_the_op(quant, ue8m0, copy):
     # Every output the module returns comes from the op: its y, scales, h and the norm's copy.
     returned = [a for a in graph.output_node().args[0]]
     assert all(op in _ancestors([r]) | {r} for r in returned if isinstance(r, torch.fx.Node))
+
+
+class GatedSharedExpert(nn.Module):
+    """Qwen2-MoE's block end: the routed experts' all-reduce plus ``sigmoid(gate) * `` the shared expert's,
+    the gate one value a token; ``own_gate``: the gate made from the shared expert's own partial sum (not
+    the same on every rank)."""
+
+    def __init__(self, own_gate: bool):
+        super().__init__()
+        self.own_gate = own_gate
+        self.norm = HFRMSNorm(HIDDEN, 1e-5)
+
+    def forward(self, routed, shared, gate_input, residual):
+        gate = torch.sigmoid((shared if self.own_gate else gate_input).sum(-1, keepdim=True))
+        h = funcol.all_reduce(routed, "sum", dist.group.WORLD) + gate * funcol.all_reduce(shared, "sum",
+                                                                                          dist.group.WORLD)
+        h = residual + h
+        return self.norm(h), h
+
+
+@pytest.mark.parametrize("own_gate", [False, True], ids=["replicated gate", "gate of the partial sum"])
+def test_a_gated_second_all_reduce_goes_into_the_op(own_gate):
+    """``all_reduce(a) + gate * all_reduce(b)`` is one op whose shared part is ``gate * b`` (the gate scales
+    each rank's part); a gate computed from ``b`` itself differs by rank: ``b`` is all-reduced on its own
+    (tpfuse's plain all-reduce) and its gated sum added with the residual."""
+    routed, shared, gate_input, residual = (torch.randn(TOKENS, HIDDEN).bfloat16() for _ in range(4))
+    fusion_pass = FusionPass(fusion_limit=16)
+    graph = post_grad_pass(GatedSharedExpert(own_gate).bfloat16(), routed, shared, gate_input, residual,
+                           fusion_pass=fusion_pass)
+    [sites] = fusion_pass.reports
+    ops = [n for n in graph.nodes if n.target in FUSED_OPS]
+    if own_gate:
+        assert [(s.pattern, s.plain) for s in sites] == [("AllReduceAddRMSNorm", False), (None, True)], sites
+        [op] = ops
+        assert "shared_expert" not in op.kwargs and op.args[1].target is aten.add.Tensor  # gate * b + residual
+        return
+    assert [s.pattern for s in sites] == ["TwoAllReducesAddRMSNorm"] * 2, [str(s) for s in sites]
+    [op] = ops
+    shared_part = op.kwargs["shared_expert"]
+    assert aten.mul.Tensor in {n.target for n in _ancestors([shared_part]) | {shared_part}}
+    assert leftovers(graph) == ["sigmoid = aten.sigmoid.default"]  # the gate's own computation, before the op

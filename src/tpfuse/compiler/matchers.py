@@ -134,6 +134,7 @@ class Branch(NamedTuple):
     nodes: list[Node]  # the views and add between it and the sum
     bias: object  # its bias, or None
     copies: int  # copies of the rows its tensor holds, summed after it (1: none)
+    gate: Node | None  # a value a token ([..., 1]) its sum is multiplied by (Qwen2-MoE's shared expert gate)
 
 
 def match_rmsnorm(h: Node, quantised: bool = False, dtype: torch.dtype | None = None) -> Norm | None:
@@ -310,7 +311,7 @@ def match_branch(node: object, group_name: str, reduce_op: str, hidden: int, wit
     between), the second term of a sum of two; else None. ``copies`` > 1: the all-reduced tensor
     holds that many copies of the rows, summed after it (Llama 4's experts: ``[E * T, H]`` viewed as
     ``[E, T, H]``, then ``.sum(0)``), which the fusion sums before the all-reduce instead."""
-    nodes, bias, copies = [], None, 1
+    nodes, bias, copies, gate = [], None, 1, None
     if with_bias:
         if not is_add(node):
             return None
@@ -320,6 +321,13 @@ def match_branch(node: object, group_name: str, reduce_op: str, hidden: int, wit
             return None
         nodes.append(node)
         node = a if bias is b else b
+    if is_call(node, aten.mul.Tensor) and len(node.users) == 1:
+        a, b = node.args[:2]
+        gate = b if _is_token_gate(b, node) else a if _is_token_gate(a, node) else None
+        if gate is None:
+            return None
+        nodes.append(node)
+        node = a if gate is b else b
     if (is_call(node, aten.sum.dim_IntList) and list(node.args[1]) == [0] and node.args[2:] in ((), (False,))
             and not node.kwargs and len(node.users) == 1 and isinstance(meta_val(node.args[0]), torch.Tensor)
             and meta_val(node.args[0]).dim() == 3):
@@ -336,7 +344,45 @@ def match_branch(node: object, group_name: str, reduce_op: str, hidden: int, wit
     reduce = node.args[0]
     if not (is_call(reduce, ALL_REDUCE) and tuple(reduce.args[1:3]) == (reduce_op, group_name)):
         return None
-    return Branch(reduce, nodes + [node], bias, copies)
+    if gate is not None and _reads(gate, reduce.args[0]):
+        return None  # a gate made from the rank's own partial sum: not the same on every rank
+    return Branch(reduce, nodes + [node], bias, copies, gate)
+
+
+def _is_token_gate(gate: object, product: Node) -> bool:
+    """Whether ``gate`` multiplies a sum by one value a token (or one value): a floating tensor node of
+    last dimension 1, whose product keeps the sum's dtype and size (Qwen2-MoE's
+    ``sigmoid(gate(x)) * shared``).
+
+    Such a gate is the same on every rank in a tensor-parallel model: it scales an all-reduced value
+    (the same on every rank) that goes into the residual stream, which every rank holds alike. So
+    ``gate * all_reduce(b)`` is ``all_reduce(gate * b)``, and the fusion multiplies before the sum."""
+    summed = product.args[1] if product.args[0] is gate else product.args[0]
+    val = meta_val(gate) if isinstance(gate, Node) else None
+    total, out = meta_val(summed) if isinstance(summed, Node) else None, meta_val(product)
+    if not (isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() >= 1
+            and static_int(val.shape[-1]) == 1 and isinstance(total, torch.Tensor) and total.dim() >= 1):
+        return False
+    rows = element_count(total.shape[:-1])
+    return (out.dtype == total.dtype and element_count(out.shape) == element_count(total.shape)
+            and (val.numel() == 1 or str(element_count(val.shape)) == str(rows)))
+
+
+def _reads(node: Node, value: Node, limit: int = 10_000) -> bool:
+    """Whether ``node`` is computed from ``value`` (a walk over at most ``limit`` of its ancestors; past it,
+    assumed so)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is value:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > limit:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
 
 
 class DynamicFp8(NamedTuple):

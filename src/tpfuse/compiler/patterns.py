@@ -10,8 +10,12 @@ norm optional, in this order)::
     a  = a * x_scale                                # scaled: a number (Gemma's embedding, Granite)
     a  = a + bias                                   # bias: a row-parallel layer's [H] bias
     a  = a + (all-reduce of x_other (+ its bias))   # branches: two all-reduces of one group summed
+                                                    #   (the second may be multiplied by a value a
+                                                    #   token: Qwen2-MoE's shared expert gate)
     a  = rmsnorm(a) * sum_weight                    # sum_norm: Gemma 2/3's post-norm
-    h  = a + residual | residual + a                # residual; may broadcast [S,H]+[1,S,H]
+    h  = a + residual | residual + a                # residual; may broadcast [S,H]+[1,S,H]; or
+    h  = (a + t) + residual                         #   t a second [T, H] term the ranks hold alike
+                                                    #   (Qwen2-MoE's gated shared expert, not split)
     y  = rmsnorm(h) * weight | layer_norm(h, weight, norm_bias)     # HF, gpt-fast and torch styles
     q  = fp8(y / scale) | fp8(y / s_g), s_g from amax per token or group   # quant: static | dynamic
                                                     #   (s_g may be rounded up to a power of two: UE8M0;
@@ -103,6 +107,7 @@ class Match:
     eps: float
     hidden: int
     residual: Node | None = None
+    also_added: Node | None = None  # a second [T, H] term added to the sum with the residual
     quant_scale: Node | None = None  # static fp8: its scale
     internal: list[Node] = field(default_factory=list)  # may only be used inside the match
     aliases: list[Node] = field(default_factory=list)  # views of the sum before h: may have other users
@@ -111,6 +116,7 @@ class Match:
     biases: list = field(default_factory=list)  # [H] tensors added to the sum (one a branch)
     x_other: Node | None = None  # the second branch's all-reduce input: x + x_other is all-reduced once
     x_other_copies: int = 1  # x_other holds this many copies of the rows, summed (Llama 4's experts)
+    x_other_gate: Node | None = None  # x_other's sum is multiplied by this value a token ([..., 1])
     merged: list[Node] = field(default_factory=list)  # other all-reduces this site takes in
     sum_weight: object = None  # the post-norm's gain (Gemma)
     norm_bias: object = None  # LayerNorm's bias
@@ -221,7 +227,7 @@ class FusionPattern:
                 add, branch = branch_after(cur)
             if branch is None:
                 return None
-            other_reduce, nodes, bias, m.x_other_copies = branch
+            other_reduce, nodes, bias, m.x_other_copies, m.x_other_gate = branch
             m.x_other, m.merged = other_reduce.args[0], [other_reduce]
             m.biases += [bias] if bias is not None else []
             m.internal += nodes
@@ -242,6 +248,14 @@ class FusionPattern:
             m.problem = residual_problem(m.residual, adds[0], meta_val(x), hidden)
             steps.append(adds[0])
             cur = adds[0]
+            views = row_views(cur, hidden)
+            then = only_user(views[-1])
+            if is_add(then) and residual_problem(other_arg(then, views[-1]), then, meta_val(x), hidden) is None:
+                # (sum + t) + residual, views between: two terms added to the sum (Qwen2-MoE's gated shared
+                # expert, which transformers' plan leaves whole on every rank), added before the op as one
+                m.also_added = other_arg(then, views[-1])
+                steps.extend(views[1:] + [then])
+                cur = then
         m.h = cur
         if steps[-1] is chain[-1]:  # h is the sum itself: the views before it are the sum's aliases
             m.aliases = chain[:-1]
@@ -359,7 +373,10 @@ class FusionPattern:
                 other = call(aten.reshape.default, m.x_other, [m.x_other_copies, -1, hidden])
                 if m.x_other_copies > 1:  # summing the copies is linear: before the all-reduce, not after
                     other = call(aten.sum.dim_IntList, other, [0])
-                finalize["shared_expert"] = call(aten.reshape.default, other, [-1, hidden])
+                other = call(aten.reshape.default, other, [-1, hidden])
+                if m.x_other_gate is not None:  # the same gate on every rank: it multiplies each rank's part
+                    other = call(aten.mul.Tensor, call(aten.reshape.default, m.x_other_gate, [-1, 1]), other)
+                finalize["shared_expert"] = other
             if m.x_scale is not None:  # scaling each rank's part scales the sum
                 x2 = call(aten.mul.Tensor, x2, m.x_scale)
             bias = None
@@ -367,6 +384,8 @@ class FusionPattern:
                 b = call(prims.convert_element_type.default, b, torch.float32) if len(m.biases) > 1 else b
                 bias = b if bias is None else call(aten.add.Tensor, bias, b)
             r2 = call(aten.reshape.default, m.residual, [-1, hidden]) if m.residual is not None else None
+            if m.also_added is not None:  # both terms in one residual (one rounding, as the model's second add)
+                r2 = call(aten.add.Tensor, r2, call(aten.reshape.default, m.also_added, [-1, hidden]))
             steps = {"bias": bias, "sum_weight": m.sum_weight, "layer_norm": self.layer_norm,
                      "norm_bias": m.norm_bias, **finalize}
             if m.normed is not None or m.ue8m0 or m.scale_layout or m.fp4:  # the op with every quantised output
