@@ -313,21 +313,18 @@ def match_branch(node: object, group_name: str, reduce_op: str, hidden: int, wit
     ``[E, T, H]``, then ``.sum(0)``), which the fusion sums before the all-reduce instead."""
     nodes, bias, copies, gate = [], None, 1, None
     if with_bias:
-        if not is_add(node):
-            return None
-        a, b = node.args[:2]
-        bias = b if is_row_vector(b, hidden) else a if is_row_vector(a, hidden) else None
-        if bias is None:
+        peeled = _operand_that(node, lambda t: is_row_vector(t, hidden)) if is_add(node) else None
+        if peeled is None:
             return None
         nodes.append(node)
-        node = a if bias is b else b
+        bias, node = peeled
     if is_call(node, aten.mul.Tensor) and len(node.users) == 1:
-        a, b = node.args[:2]
-        gate = b if _is_token_gate(b, node) else a if _is_token_gate(a, node) else None
-        if gate is None:
+        product = node
+        peeled = _operand_that(product, lambda t: _is_token_gate(t, product))
+        if peeled is None:
             return None
         nodes.append(node)
-        node = a if gate is b else b
+        gate, node = peeled
     if (is_call(node, aten.sum.dim_IntList) and list(node.args[1]) == [0] and node.args[2:] in ((), (False,))
             and not node.kwargs and len(node.users) == 1 and isinstance(meta_val(node.args[0]), torch.Tensor)
             and meta_val(node.args[0]).dim() == 3):
@@ -347,6 +344,17 @@ def match_branch(node: object, group_name: str, reduce_op: str, hidden: int, wit
     if gate is not None and _reads(gate, reduce.args[0]):
         return None  # a gate made from the rank's own partial sum: not the same on every rank
     return Branch(reduce, nodes + [node], bias, copies, gate)
+
+
+def _operand_that(node: Node, test) -> tuple[object, object] | None:
+    """(the operand of the binary op ``node`` that passes ``test``, the other one): the second operand
+    first; None when neither passes."""
+    a, b = node.args[:2]
+    if test(b):
+        return b, a
+    if test(a):
+        return a, b
+    return None
 
 
 def _is_token_gate(gate: object, product: Node) -> bool:
