@@ -234,6 +234,7 @@ C_SCHEMAS = {
                                   "bool dummy_is_scale_transposed, bool dummy_is_tma_aligned) -> ()"),
     "scaled_fp4_quant": ("(Tensor(a!) output, Tensor input, Tensor(b!) output_scale, Tensor input_scale, "
                          "bool is_sf_swizzled_layout) -> ()"),
+    "dynamic_per_token_scaled_fp8_quant": "(Tensor(a!) result, Tensor input, Tensor(b!) scale, Tensor? scale_ub) -> ()",
 }
 
 
@@ -416,3 +417,40 @@ def test_nvfp4_as_vllm_writes_it_fuses_whole(form):
     while base.target is torch.ops.aten.view.dtype:
         base = base.args[0]
     assert base.target is operator.getitem and base.args[0] is op and base.meta["val"].dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("form", ["per token", "bounded"])
+def test_per_token_fp8_as_vllm_writes_it_fuses_whole(form):
+    """vLLM's ``dynamic_per_token_scaled_fp8_quant`` after its norm: one op with a scale a token
+    (``scale_group`` the hidden size), its ``[T, 1]`` scales vLLM's; with an upper bound on the scales
+    (``scale_ub``) it stays vLLM's, saying why."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    all_reduce, add_norm, _ = _vllm_ops()
+    ops = _vllm_fp8_ops()
+
+    def forward(x, weight, bound):
+        residual = x * 2
+        out, h = add_norm(all_reduce(x, "tp:0"), residual, weight, EPS)
+        q = torch.empty_like(out, dtype=torch.float8_e4m3fn)
+        scales = torch.empty((out.shape[0], 1), dtype=torch.float32)
+        _, q, scales = auto_functionalized(ops.dynamic_per_token_scaled_fp8_quant.default, result=q, input=out,
+                                           scale=scales, scale_ub=bound if form == "bounded" else None)
+        return q, scales, h
+
+    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16), torch.randn(HIDDEN, dtype=torch.bfloat16),
+                       torch.ones(1))
+    fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
+    fusion(graph)
+    (site,) = fusion.reports[-1]
+    if form == "bounded":
+        assert not site.fused and site.code == "vllm-form" and "scale_ub" in site.reason, site
+        return
+    assert site.fused and site.pattern == "AllReduceAddRMSNormDynamicQuant", site
+    left = [t for t in targets(graph) if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
+    assert left == [], left
+    (op,) = [n for n in graph.nodes if n.target is torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default]
+    assert op.kwargs["scale_group"] == HIDDEN and op.args[1] is not None
+    outputs = next(n for n in graph.nodes if n.op == "output").args[0]
+    scales = outputs[1].meta["val"]
+    assert scales.dtype == torch.float32 and scales.shape[-1] == 1 and outputs[0].meta["val"].dtype == torch.float8_e4m3fn

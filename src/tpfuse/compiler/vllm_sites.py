@@ -17,8 +17,9 @@ and with static fp8 output (one fp32 scale; vLLM's CUDA ops, inside ``auto_funct
     q = _C.rms_norm_static_fp8_quant(s, weight, scale, eps)
     q = _C.static_scaled_fp8_quant(out, scale)                                        # after either norm
 
-and, after either norm, dynamic fp8 with a scale a group (``_C.per_token_group_fp8_quant``, DeepSeek-V3's
-block fp8) or NVFP4 (``_C.scaled_fp4_quant``, Blackwell), whose scales the op writes where vLLM's were
+and, after either norm, dynamic fp8 with a scale a token (``_C.dynamic_per_token_scaled_fp8_quant``) or a
+group (``_C.per_token_group_fp8_quant``, DeepSeek-V3's block fp8), or NVFP4 (``_C.scaled_fp4_quant``,
+Blackwell), whose scales the op writes where vLLM's were
 
 (the kernels divide by the scale where vLLM's multiply by its reciprocal: one rounding apart).
 
@@ -60,6 +61,9 @@ QUANT = "_C::static_scaled_fp8_quant"  # result, input, scale, group_shape
 # vLLM's dynamic fp8 with a scale a group of elements (DeepSeek-V3's block fp8): input, output_q, output_s,
 # group_size, eps, fp8_min, fp8_max, scale_ue8m0 (and layout hints); output_s's strides give the layout.
 GROUP_QUANT = "_C::per_token_group_fp8_quant"
+# vLLM's dynamic fp8 with a scale a token: result, input, scale ([T, 1] float32), scale_ub (an upper bound
+# on each token's largest value, or None).
+TOKEN_QUANT = "_C::dynamic_per_token_scaled_fp8_quant"
 # vLLM's NVFP4 quantisation (Blackwell): output (uint8 codes), input, output_scale (e4m3 scales, four to an
 # int32, in the 128 x 4 tiles of the FP4 GEMMs), input_scale (the global scale), is_sf_swizzled_layout.
 FP4_QUANT = "_C::scaled_fp4_quant"
@@ -233,6 +237,8 @@ def _with_quant(match: Match) -> Match:
         return _with_group_quant(match, quant)
     if quant is not None and functionalized(quant) == FP4_QUANT and quant.kwargs["input"] is match.out:
         return _with_fp4_quant(match, quant)
+    if quant is not None and functionalized(quant) == TOKEN_QUANT and quant.kwargs["input"] is match.out:
+        return _with_token_quant(match, quant)
     if quant is None or functionalized(quant) != QUANT or quant.kwargs["input"] is not match.out \
             or quant.kwargs.get("group_shape") is not None:
         return match
@@ -269,6 +275,26 @@ def _with_group_quant(match: Match, quant: Node) -> Match:
     _drop_unread_outputs(quant)
     match.internal = match.internal + [match.out, quant]
     match.scale_group, match.ue8m0, match.scale_layout = group, bool(kw["scale_ue8m0"]), layout or SCALES_ROWS
+    match.out, match.scales = _output(graph, quant, 1), _output(graph, quant, 2)
+    return match
+
+
+def _with_token_quant(match: Match, quant: Node) -> Match:
+    """``match`` continued into vLLM's ``dynamic_per_token_scaled_fp8_quant`` of its output: a scale a token,
+    ``max(amax / 448, 1 / (448 * 512))`` as the op's (``scale_group`` = the hidden size), vLLM's ``[T, 1]``
+    scales the op's. vLLM multiplies by the scale's reciprocal, the kernels divide: one rounding apart.
+    An upper bound on the scales (``scale_ub``) or another fp8 range (vLLM's 224 on ROCm's fnuz) stays
+    vLLM's."""
+    kw, graph, hidden = quant.kwargs, match.all_reduce.graph, match.hidden
+    fmt = fp8_of(match.out)
+    if kw.get("scale_ub") is not None:
+        match.problem = Reason("vllm-form", "vLLM bounds the per-token fp8 scales (scale_ub); the op does not")
+    elif fmt.max != 448.0:
+        match.problem = Reason("vllm-form", f"vLLM's per-token fp8 on this device quantises to +-224, the op to "
+                                            f"+-{fmt.max}")
+    _drop_unread_outputs(quant)
+    match.internal = match.internal + [match.out, quant]
+    match.scale_group = hidden
     match.out, match.scales = _output(graph, quant, 1), _output(graph, quant, 2)
     return match
 
