@@ -230,34 +230,37 @@ def _quantised_site(all_reduce: Node, group_name: str, hidden: int,
 
 
 def _with_quant(match: Match) -> Match:
-    """``match`` continued into the fp8 quantisation of its output, where vLLM's custom quant op (static:
-    one scale for the tensor; or a scale a group of elements) is the output's only user."""
+    """``match`` continued into the quantisation of its output, where one of vLLM's custom quant ops is
+    the output's only user: static fp8 (one scale for the tensor), or one that writes scales
+    (:data:`_SCALED_QUANTS`); the quant op's outputs become the match's."""
     quant = next(iter(match.out.users)) if len(match.out.users) == 1 else None
-    if quant is not None and functionalized(quant) == GROUP_QUANT and quant.kwargs["input"] is match.out:
-        return _with_group_quant(match, quant)
-    if quant is not None and functionalized(quant) == FP4_QUANT and quant.kwargs["input"] is match.out:
-        return _with_fp4_quant(match, quant)
-    if quant is not None and functionalized(quant) == TOKEN_QUANT and quant.kwargs["input"] is match.out:
-        return _with_token_quant(match, quant)
-    if quant is None or functionalized(quant) != QUANT or quant.kwargs["input"] is not match.out \
-            or quant.kwargs.get("group_shape") is not None:
+    kind = functionalized(quant) if quant is not None else None
+    if kind not in (QUANT, *_SCALED_QUANTS) or quant.kwargs["input"] is not match.out:
         return match
+    if kind == QUANT:
+        if quant.kwargs.get("group_shape") is not None:
+            return match
+        match.quant_scale = quant.kwargs["scale"]
+    else:
+        _SCALED_QUANTS[kind](match, quant)  # reads the norm's output (its fp8 format) before it is replaced
     _drop_unread_outputs(quant)
     match.internal = match.internal + [match.out, quant]
-    match.quant_scale, match.out = quant.kwargs["scale"], _output(match.all_reduce.graph, quant, 1)
+    graph = match.all_reduce.graph
+    match.out = _output(graph, quant, 1)
+    if kind != QUANT:
+        match.scales = _output(graph, quant, 2)
     return match
 
 
-def _with_group_quant(match: Match, quant: Node) -> Match:
-    """``match`` continued into vLLM's ``per_token_group_fp8_quant`` of its output: dynamic fp8 with a
+def _with_group_quant(match: Match, quant: Node) -> None:
+    """On ``match``, the quantisation of vLLM's ``per_token_group_fp8_quant`` of its output: dynamic fp8 with a
     scale a ``group_size`` elements (rounded up to powers of two with ``scale_ue8m0``), the scales where
     vLLM's ``output_s`` has them (row-major, or column-major with the tokens padded to 4: the op's
     ``scale_layout``). vLLM floors each group's largest value at ``eps`` (1e-10), the op each scale at
     ``1 / (448 * 512)``: they differ only for a group whose largest value is below 1 / 512, where both
     scales stand for the values (``q * scale``). A clamp other than the device's fp8 range (vLLM's 224
     on ROCm's fnuz) stays unfused."""
-    kw, graph = quant.kwargs, match.all_reduce.graph
-    fmt, hidden = fp8_of(match.out), match.hidden
+    kw, fmt, hidden = quant.kwargs, fp8_of(match.out), match.hidden
     group = int(kw["group_size"])
     if not (group == hidden or (group >= 8 and group & (group - 1) == 0 and hidden % group == 0)):
         match.problem = Reason("vllm-form", f"vLLM's fp8 groups of {group} are not the hidden size {hidden} or a "
@@ -272,41 +275,31 @@ def _with_group_quant(match: Match, quant: Node) -> Match:
                                                              f"strides {tuple(scales_val.stride())} are neither "
                                                              "row-major nor the op's column-major layout (tokens "
                                                              "padded to 4)")
-    _drop_unread_outputs(quant)
-    match.internal = match.internal + [match.out, quant]
     match.scale_group, match.ue8m0, match.scale_layout = group, bool(kw["scale_ue8m0"]), layout or SCALES_ROWS
-    match.out, match.scales = _output(graph, quant, 1), _output(graph, quant, 2)
-    return match
 
 
-def _with_token_quant(match: Match, quant: Node) -> Match:
-    """``match`` continued into vLLM's ``dynamic_per_token_scaled_fp8_quant`` of its output: a scale a token,
+def _with_token_quant(match: Match, quant: Node) -> None:
+    """On ``match``, the quantisation of vLLM's ``dynamic_per_token_scaled_fp8_quant`` of its output: a scale a token,
     ``max(amax / 448, 1 / (448 * 512))`` as the op's (``scale_group`` = the hidden size), vLLM's ``[T, 1]``
     scales the op's. vLLM multiplies by the scale's reciprocal, the kernels divide: one rounding apart.
     An upper bound on the scales (``scale_ub``) or another fp8 range (vLLM's 224 on ROCm's fnuz) stays
     vLLM's."""
-    kw, graph, hidden = quant.kwargs, match.all_reduce.graph, match.hidden
-    fmt = fp8_of(match.out)
+    kw, fmt = quant.kwargs, fp8_of(match.out)
     if kw.get("scale_ub") is not None:
         match.problem = Reason("vllm-form", "vLLM bounds the per-token fp8 scales (scale_ub); the op does not")
     elif fmt.max != 448.0:
         match.problem = Reason("vllm-form", f"vLLM's per-token fp8 on this device quantises to +-224, the op to "
                                             f"+-{fmt.max}")
-    _drop_unread_outputs(quant)
-    match.internal = match.internal + [match.out, quant]
-    match.scale_group = hidden
-    match.out, match.scales = _output(graph, quant, 1), _output(graph, quant, 2)
-    return match
+    match.scale_group = match.hidden
 
 
-def _with_fp4_quant(match: Match, quant: Node) -> Match:
-    """``match`` continued into vLLM's ``scaled_fp4_quant`` of its output: NVFP4 codes and e4m3 scales a 16
+def _with_fp4_quant(match: Match, quant: Node) -> None:
+    """On ``match``, the quantisation of vLLM's ``scaled_fp4_quant`` of its output: NVFP4 codes and e4m3 scales a 16
     elements in the swizzled 128 x 4 tiles (the op's ``fp4=FP4_NVFP4`` with vLLM's ``input_scale`` as
     ``global_scale``); the op's scales replace vLLM's ``output_scale`` as the same bytes, four to an int32
     as vLLM allocates them. vLLM multiplies each group by ``1 / (s / g)``, the kernels by ``g / s``: one
     rounding apart. Linear (unswizzled) scales or scales of another size stay vLLM's."""
-    kw, graph, hidden = quant.kwargs, match.all_reduce.graph, match.hidden
-    group = FP4_GROUP[FP4_NVFP4]
+    kw, hidden, group = quant.kwargs, match.hidden, FP4_GROUP[FP4_NVFP4]
     scales_val, global_val = meta_val(kw["output_scale"]), meta_val(kw["input_scale"])
     columns = -(-(hidden // group) // 4) * 4  # the op's scale bytes a row: the groups rounded up to 4
     if hidden % group:
@@ -321,11 +314,12 @@ def _with_fp4_quant(match: Match, quant: Node) -> Match:
                                             f"are not {columns} bytes a row, contiguous")
     elif global_val is None or global_val.dtype != torch.float32 or global_val.numel() != 1:
         match.problem = Reason("vllm-form", "vLLM's NVFP4 global scale is not a float32 tensor of one element")
-    _drop_unread_outputs(quant)
-    match.internal = match.internal + [match.out, quant]
     match.fp4, match.global_scale = FP4_NVFP4, kw["input_scale"]
-    match.out, match.scales = _output(graph, quant, 1), _output(graph, quant, 2)
-    return match
+
+
+#: vLLM's quant ops that write scales, by name: each sets the op's quantisation on the match (and any
+#: problem); the op's y and scales take the places of the quant op's outputs 1 and 2.
+_SCALED_QUANTS = {GROUP_QUANT: _with_group_quant, TOKEN_QUANT: _with_token_quant, FP4_QUANT: _with_fp4_quant}
 
 
 def _scale_layout(scales: torch.Tensor, groups: int) -> int | None:
