@@ -11,6 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from tpfuse.compiler import FusionPass
 from tpfuse.compiler.vllm_sites import functionalized, op_name
+from tpfuse.kernels.block_end import SCALES_COLUMNS, SCALES_PACKED_UE8M0
 
 HIDDEN, EPS = 64, 1e-6
 FUSED = torch.ops.tpfuse.allreduce_add_rmsnorm.default
@@ -232,6 +233,8 @@ C_SCHEMAS = {
     "per_token_group_fp8_quant": ("(Tensor input, Tensor(a!) output_q, Tensor(b!) output_s, int group_size, "
                                   "float eps, float fp8_min, float fp8_max, bool scale_ue8m0, "
                                   "bool dummy_is_scale_transposed, bool dummy_is_tma_aligned) -> ()"),
+    "per_token_group_fp8_quant_packed": ("(Tensor input, Tensor(a!) output_q, Tensor(b!) output_s_packed, "
+                                         "int group_size, float eps, float fp8_min, float fp8_max) -> ()"),
     "scaled_fp4_quant": ("(Tensor(a!) output, Tensor input, Tensor(b!) output_scale, Tensor input_scale, "
                          "bool is_sf_swizzled_layout) -> ()"),
     "dynamic_per_token_scaled_fp8_quant": "(Tensor(a!) result, Tensor input, Tensor(b!) scale, Tensor? scale_ub) -> ()",
@@ -313,16 +316,18 @@ def test_gemmas_post_norm_into_the_next_add_fuses_as_one_site():
     assert not [t for t in targets(graph) if str(t).startswith(("vllm::", "vllm_ir::"))]
 
 
-@pytest.mark.parametrize("form", ["rows", "columns", "ue8m0", "range of 224", "groups of 48"])
+@pytest.mark.parametrize("form", ["rows", "columns", "ue8m0", "packed", "range of 224", "groups of 48",
+                                  "packed rows"])
 def test_group_fp8_as_vllm_writes_it_fuses_whole(form):
     """vLLM's ``per_token_group_fp8_quant`` after its norm (DeepSeek-V3's block fp8): one op with the
-    group, UE8M0 rounding and the scales' layout taken from vLLM's ``output_s``; a clamp or group the
-    op does not make stays vLLM's, saying why."""
+    group, UE8M0 rounding and the scales' layout taken from vLLM's ``output_s``; its ``..._packed`` op
+    (UE8M0 bytes four to an int32, column-major: DeepGEMM on Blackwell) the same with the packed layout;
+    a clamp, group or scale layout the op does not make stays vLLM's, saying why."""
     from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
     all_reduce, add_norm, _ = _vllm_ops()
     ops = _vllm_fp8_ops()
-    group = 48 if form == "groups of 48" else 16
+    group = 48 if form == "groups of 48" else 8 if form.startswith("packed") else 16  # packed: two words a row
     fp8_max = 224.0 if form == "range of 224" else 448.0
 
     def forward(x, weight):
@@ -332,6 +337,14 @@ def test_group_fp8_as_vllm_writes_it_fuses_whole(form):
         tokens, groups = out.shape[0], HIDDEN // group
         if form == "columns":  # DeepGEMM's on Hopper: column-major, the tokens padded to 4
             scales = torch.empty((groups, (tokens + 3) // 4 * 4), dtype=torch.float32).t()[:tokens]
+        elif form.startswith("packed"):  # as vLLM's per_token_group_quant_fp8_packed_for_deepgemm allocates them
+            words, padded = (groups + 3) // 4, (tokens + 3) // 4 * 4
+            scales = torch.empty_strided((tokens, words), (1, padded) if form == "packed" else (words, 1),
+                                         dtype=torch.int32)
+            _, q, scales = auto_functionalized(ops.per_token_group_fp8_quant_packed.default, input=out, output_q=q,
+                                               output_s_packed=scales, group_size=group, eps=1e-10,
+                                               fp8_min=-fp8_max, fp8_max=fp8_max)
+            return q, scales, h
         else:
             scales = torch.empty((tokens, groups), dtype=torch.float32)
         _, q, scales = auto_functionalized(ops.per_token_group_fp8_quant.default, input=out, output_q=q,
@@ -344,8 +357,9 @@ def test_group_fp8_as_vllm_writes_it_fuses_whole(form):
     fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
     fusion(graph)
     (site,) = fusion.reports[-1]
-    if form in ("range of 224", "groups of 48"):
-        assert not site.fused and ("+-224" in site.reason if group == 16 else "groups of 48" in site.reason), site
+    if form in ("range of 224", "groups of 48", "packed rows"):
+        assert not site.fused and {"range of 224": "+-224", "groups of 48": "groups of 48",
+                                   "packed rows": "packed column-major"}[form] in site.reason, site
         assert site.code == "vllm-form"
         return
     assert site.fused and site.pattern == "AllReduceAddRMSNormDynamicQuant", site
@@ -355,12 +369,13 @@ def test_group_fp8_as_vllm_writes_it_fuses_whole(form):
         torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default, torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default)]
     (op,) = fused
     assert op.kwargs["scale_group"] == group
-    assert op.kwargs.get("ue8m0_scales", False) is (form == "ue8m0")
-    assert op.kwargs.get("scale_layout", 0) == (1 if form == "columns" else 0)
-    # The graph's scales output is the op's, with vLLM's layout (its strides).
+    assert op.kwargs.get("ue8m0_scales", False) is (form in ("ue8m0", "packed"))
+    assert op.kwargs.get("scale_layout", 0) == {"columns": SCALES_COLUMNS, "packed": SCALES_PACKED_UE8M0}.get(form, 0)
+    # The graph's scales output is the op's, with vLLM's layout (its strides) and dtype.
     outputs = next(n for n in graph.nodes if n.op == "output").args[0]
     assert outputs[1].meta["val"].stride() == (
-        (1, 8) if form == "columns" else (HIDDEN // group, 1)), outputs[1].meta["val"].stride()
+        (1, 8) if form in ("columns", "packed") else (HIDDEN // group, 1)), outputs[1].meta["val"].stride()
+    assert outputs[1].meta["val"].dtype == (torch.int32 if form == "packed" else torch.float32)
 
 
 @pytest.mark.parametrize("form", ["swizzled", "linear", "global scale of two"])

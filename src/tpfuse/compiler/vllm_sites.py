@@ -18,7 +18,8 @@ and with static fp8 output (one fp32 scale; vLLM's CUDA ops, inside ``auto_funct
     q = _C.static_scaled_fp8_quant(out, scale)                                        # after either norm
 
 and, after either norm, dynamic fp8 with a scale a token (``_C.dynamic_per_token_scaled_fp8_quant``) or a
-group (``_C.per_token_group_fp8_quant``, DeepSeek-V3's block fp8), or NVFP4 (``_C.scaled_fp4_quant``,
+group (``_C.per_token_group_fp8_quant``, DeepSeek-V3's block fp8; ``_C.per_token_group_fp8_quant_packed``,
+its UE8M0 scales packed for DeepGEMM on Blackwell), or NVFP4 (``_C.scaled_fp4_quant``,
 Blackwell), whose scales the op writes where vLLM's were
 
 (the kernels divide by the scale where vLLM's multiply by its reciprocal: one rounding apart).
@@ -47,7 +48,7 @@ from tpfuse.compiler.matchers import (
 from tpfuse.compiler.patterns import PATTERNS_BY_NAME, FusionPattern, Match, site_problem
 from tpfuse.compiler.reasons import DYNAMIC_HIDDEN, Reason
 from tpfuse.compiler.sizes import describe_shape, static_int
-from tpfuse.kernels.block_end import FP4_GROUP, FP4_NVFP4, SCALES_COLUMNS, SCALES_ROWS
+from tpfuse.kernels.block_end import FP4_GROUP, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0, SCALES_ROWS
 
 ALL_REDUCE = "vllm::all_reduce"
 ADD_NORM = "vllm_ir::fused_add_rms_norm"
@@ -61,6 +62,9 @@ QUANT = "_C::static_scaled_fp8_quant"  # result, input, scale, group_shape
 # vLLM's dynamic fp8 with a scale a group of elements (DeepSeek-V3's block fp8): input, output_q, output_s,
 # group_size, eps, fp8_min, fp8_max, scale_ue8m0 (and layout hints); output_s's strides give the layout.
 GROUP_QUANT = "_C::per_token_group_fp8_quant"
+# The same with UE8M0 scales packed four to an int32, column-major with the tokens padded to 4 (DeepGEMM's
+# layout on Blackwell): input, output_q, output_s_packed, group_size, eps, fp8_min, fp8_max.
+PACKED_GROUP_QUANT = "_C::per_token_group_fp8_quant_packed"
 # vLLM's dynamic fp8 with a scale a token: result, input, scale ([T, 1] float32), scale_ub (an upper bound
 # on each token's largest value, or None).
 TOKEN_QUANT = "_C::dynamic_per_token_scaled_fp8_quant"
@@ -253,29 +257,36 @@ def _with_quant(match: Match) -> Match:
 
 
 def _with_group_quant(match: Match, quant: Node) -> None:
-    """On ``match``, the quantisation of vLLM's ``per_token_group_fp8_quant`` of its output: dynamic fp8 with a
-    scale a ``group_size`` elements (rounded up to powers of two with ``scale_ue8m0``), the scales where
-    vLLM's ``output_s`` has them (row-major, or column-major with the tokens padded to 4: the op's
-    ``scale_layout``). vLLM floors each group's largest value at ``eps`` (1e-10), the op each scale at
-    ``1 / (448 * 512)``: they differ only for a group whose largest value is below 1 / 512, where both
-    scales stand for the values (``q * scale``). A clamp other than the device's fp8 range (vLLM's 224
-    on ROCm's fnuz) stays unfused."""
+    """On ``match``, the quantisation of vLLM's ``per_token_group_fp8_quant`` (or ``..._packed``) of its output:
+    dynamic fp8 with a scale a ``group_size`` elements (rounded up to powers of two with ``scale_ue8m0``,
+    always in the packed op), the scales where vLLM's ``output_s`` has them (row-major, or column-major with
+    the tokens padded to 4; the packed op's ``output_s_packed`` as UE8M0 bytes four to an int32, group
+    ``4j + k`` in byte ``k`` of word ``j``, in the same column-major layout: the op's ``scale_layout``).
+    vLLM floors each group's largest value at ``eps`` (1e-10), the op each scale at ``1 / (448 * 512)``:
+    they differ only for a group whose largest value is below 1 / 512, where both scales stand for the
+    values (``q * scale``). A clamp other than the device's fp8 range (vLLM's 224 on ROCm's fnuz) stays
+    unfused."""
     kw, fmt, hidden = quant.kwargs, fp8_of(match.out), match.hidden
+    packed = functionalized(quant) == PACKED_GROUP_QUANT
     group = int(kw["group_size"])
     if not (group == hidden or (group >= 8 and group & (group - 1) == 0 and hidden % group == 0)):
         match.problem = Reason("vllm-form", f"vLLM's fp8 groups of {group} are not the hidden size {hidden} or a "
                                             "power of two dividing it")
-    if float(kw["fp8_max"]) != fmt.max or float(kw["fp8_min"]) != -fmt.max:
-        match.problem = match.problem or Reason("vllm-form", f"vLLM quantises to +-{kw['fp8_max']}, not the fp8 "
+    # (some vLLM builds name the packed op's range min_8bit / max_8bit)
+    low, high = kw.get("fp8_min", kw.get("min_8bit")), kw.get("fp8_max", kw.get("max_8bit"))
+    if float(high) != fmt.max or float(low) != -fmt.max:
+        match.problem = match.problem or Reason("vllm-form", f"vLLM quantises to +-{high}, not the fp8 "
                                                              f"range of the op on this device (+-{fmt.max})")
-    scales_val = meta_val(kw["output_s"])
-    layout = _scale_layout(scales_val, hidden // group if group and hidden % group == 0 else 0)
+    scales_val = meta_val(kw["output_s_packed" if packed else "output_s"])
+    layout = _scale_layout(scales_val, hidden // group if group and hidden % group == 0 else 0, packed)
     if layout is None:
-        match.problem = match.problem or Reason("vllm-form", f"vLLM's fp8 scales {tuple(scales_val.shape)} with "
-                                                             f"strides {tuple(scales_val.stride())} are neither "
-                                                             "row-major nor the op's column-major layout (tokens "
-                                                             "padded to 4)")
-    match.scale_group, match.ue8m0, match.scale_layout = group, bool(kw["scale_ue8m0"]), layout or SCALES_ROWS
+        match.problem = match.problem or Reason(
+            "vllm-form", f"vLLM's fp8 scales {tuple(scales_val.shape)} {scales_val.dtype} with strides "
+                         f"{tuple(scales_val.stride())} are not the op's "
+                         + ("packed column-major int32 (tokens padded to 4)" if packed else
+                            "row-major or column-major layout (tokens padded to 4)"))
+    match.scale_group, match.ue8m0 = group, packed or bool(kw["scale_ue8m0"])
+    match.scale_layout = layout or SCALES_ROWS
 
 
 def _with_token_quant(match: Match, quant: Node) -> None:
@@ -319,20 +330,24 @@ def _with_fp4_quant(match: Match, quant: Node) -> None:
 
 #: vLLM's quant ops that write scales, by name: each sets the op's quantisation on the match (and any
 #: problem); the op's y and scales take the places of the quant op's outputs 1 and 2.
-_SCALED_QUANTS = {GROUP_QUANT: _with_group_quant, TOKEN_QUANT: _with_token_quant, FP4_QUANT: _with_fp4_quant}
+_SCALED_QUANTS = {GROUP_QUANT: _with_group_quant, PACKED_GROUP_QUANT: _with_group_quant, TOKEN_QUANT: _with_token_quant,
+                  FP4_QUANT: _with_fp4_quant}
 
 
-def _scale_layout(scales: torch.Tensor, groups: int) -> int | None:
-    """The op's ``scale_layout`` of vLLM's ``[T, groups]`` scales (by their strides), or None."""
-    if scales.dim() != 2 or groups == 0 or static_int(scales.shape[1]) != groups:
+def _scale_layout(scales: torch.Tensor, groups: int, packed: bool = False) -> int | None:
+    """The op's ``scale_layout`` of vLLM's ``[T, groups]`` scales (by their strides; ``packed``: int32
+    ``[T, ceil(groups / 4)]``, column-major), or None."""
+    columns_wanted = (groups + 3) // 4 if packed else groups
+    if scales.dim() != 2 or groups == 0 or static_int(scales.shape[1]) != columns_wanted or \
+            (scales.dtype == torch.int32) != packed:
         return None
     rows, columns = scales.stride()
-    if columns == 1 and (groups == 1 or static_int(rows) == groups):
+    if not packed and columns == 1 and (groups == 1 or static_int(rows) == groups):
         return SCALES_ROWS
     if rows == 1:  # column-major: a column is the tokens, padded to 4 as the op pads them
         padded = (scales.shape[0] + 3) // 4 * 4
-        if groups == 1 or str(columns) == str(padded) or static_int(columns) == static_int(padded):
-            return SCALES_COLUMNS
+        if columns_wanted == 1 or str(columns) == str(padded) or static_int(columns) == static_int(padded):
+            return SCALES_PACKED_UE8M0 if packed else SCALES_COLUMNS
     return None
 
 
