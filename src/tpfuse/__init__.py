@@ -13,7 +13,7 @@ from tpfuse.comm import Communicator, check_errors, destroy_all, get_communicato
 from tpfuse.compiler import compile, compile_config, explain
 from tpfuse.engines import vllm_fusion_pass
 from tpfuse.ops import (QuantizedOutputs, all_reduce, allreduce_add_rmsnorm, allreduce_add_rmsnorm_dynamic_fp8,
-                        allreduce_add_rmsnorm_quant)
+                        allreduce_add_rmsnorm_quant, quantize_fp4)
 
 __version__ = "0.1.0"
 
@@ -30,6 +30,7 @@ __all__ = [
     "destroy_all",
     "explain",
     "get_communicator",
+    "quantize_fp4",
     "reset_stats",
     "stats",
     "vllm_fusion_pass",

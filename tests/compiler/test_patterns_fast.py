@@ -1,7 +1,7 @@
 """The fusion pass on post-grad graphs in one process (a fake process group, no ranks): every pattern's
 example fuses whole, as one op with no add, norm or quantisation left beside it, and the sites that
 must stay unfused say why. The numerics are the rank tests' (test_fusion_pass.py). The graph of all
-144 examples skips dynamo's trace (post_grad_pass_without_dynamo: about 6 s instead of 25-30 s, here
+192 examples skips dynamo's trace (post_grad_pass_without_dynamo: about 9 s instead of 25-30 s, here
 and on torch 2.11); the single sites go through torch.compile as users' models do."""
 
 import contextlib
@@ -15,6 +15,7 @@ from torch import nn
 
 from tpfuse.compiler import PATTERNS, FusionPass
 from tpfuse.compiler.patterns import combinations, pattern_name
+from tpfuse.kernels.block_end import FP4_MXFP4, FP4_NVFP4
 from tpfuse.kernels.reference import dynamic_fp8
 from tpfuse.kernels.targets import fp8_format
 from tpfuse.models.llama import HFRMSNorm
@@ -74,7 +75,7 @@ def post_grad_pass(module: nn.Module, *inputs, fusion_pass: FusionPass, dynamic:
 
 def post_grad_pass_without_dynamo(module: nn.Module, *inputs, fusion_pass: FusionPass):
     """:func:`post_grad_pass` for a graph of many examples, without dynamo's trace (two thirds of the
-    time for the 144 examples): the module traced by ``make_fx`` on fake tensors, functionalized, with
+    time for the 192 examples): the module traced by ``make_fx`` on fake tensors, functionalized, with
     Inductor's decompositions, dead code removed (as AOT autograd leaves it), then Inductor's joint-graph
     and post-grad passes with ``fusion_pass`` as its custom post pass, as ``compile_fx`` runs them."""
     from torch._guards import detect_fake_mode
@@ -111,7 +112,8 @@ def post_grad_pass_without_dynamo(module: nn.Module, *inputs, fusion_pass: Fusio
 
 def _inputs(pattern, index: int, x, x_other, residual, params) -> dict:
     group = (64, 16)[index % 2]  # dynamic fp8: a scale per token or per group of 16, alternately
-    return {"x": x, "x_other": x_other, "residual": residual, "scale_group": group, **params}
+    fp4 = (FP4_NVFP4, FP4_MXFP4)[index % 2]  # fp4: NVFP4 and MXFP4, alternately
+    return {"x": x, "x_other": x_other, "residual": residual, "scale_group": group, "fp4": fp4, **params}
 
 
 class AllExamples(nn.Module):
@@ -128,11 +130,12 @@ class AllExamples(nn.Module):
         self.bias, self.bias_other = row(0.0), row(0.0)
         self.register_buffer("scale", torch.tensor([0.05]))
         self.register_buffer("x_scale", torch.tensor(8.0).bfloat16())
+        self.register_buffer("global_scale", torch.tensor([200.0]))
 
     def forward(self, x, x_other, residual):
         params = {"weight": self.weight, "sum_weight": self.sum_weight, "norm_bias": self.norm_bias,
                   "bias": self.bias, "bias_other": self.bias_other, "scale": self.scale,
-                  "x_scale": self.x_scale}
+                  "x_scale": self.x_scale, "global_scale": self.global_scale}
         return [p.example(_inputs(p, i, x[i], x_other[i], residual, params), 1e-6)
                 for i, p in enumerate(self.patterns)]
 
@@ -199,8 +202,11 @@ def _fuse_whole(patterns, trace=post_grad_pass_without_dynamo) -> None:
     for node in fused:
         [index] = {a.args[2] for a in _ancestors([node]) if a.op == "call_function" and a.target == aten.select.int}
         pattern, steps = patterns[index], node.kwargs
-        quant = ("dynamic" if node.target == FUSED_OPS[1] else
+        quant = ("dynamic" if node.target == FUSED_OPS[1] else "fp4" if steps.get("fp4") else
                  "static" if steps.get("quant_scale") is not None else None)
+        if quant == "fp4":  # NVFP4 with the model's global scale, MXFP4 without
+            assert steps["fp4"] == (FP4_NVFP4, FP4_MXFP4)[index % 2], (pattern.name, steps)
+            assert (steps.get("global_scale") is not None) == (steps["fp4"] == FP4_NVFP4), (pattern.name, steps)
         does = (steps.get("bias") is not None, steps.get("sum_weight") is not None, node.args[1] is not None,
                 steps.get("layer_norm", False), steps.get("norm_bias") is not None, quant,
                 steps.get("shared_expert") is not None)

@@ -417,7 +417,7 @@ def test_nvfp4_as_vllm_writes_it_fuses_whole(form):
         assert ("linear" if form == "linear" else "global scale") in site.reason, site
         assert [n for n in graph.nodes if functionalized(n) == "_C::scaled_fp4_quant"], "vLLM's quant op is gone"
         return
-    assert site.fused and site.pattern == "AllReduceAddRMSNormDynamicQuant", site
+    assert site.fused and site.pattern == "AllReduceAddRMSNormFp4Quant", site
     left = [t for t in targets(graph) if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
     assert left == [], left
     (op,) = [n for n in graph.nodes if n.target is torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default]

@@ -471,6 +471,30 @@ def _pow2_scales(scales: Node, nodes: list[Node]) -> tuple[Node, bool]:
     return power, True
 
 
+class Fp4(NamedTuple):
+    """An fp4 quantisation found by :func:`match_fp4`."""
+
+    out: Node  # the codes [T, H / 2]
+    scales: Node  # the scales, in the fused op's layout
+    fp4: int  # kernels.block_end.FP4_NVFP4 or FP4_MXFP4
+    global_scale: Node | None  # NVFP4's
+    nodes: list[Node]  # the quantisation's own nodes (the op; its outputs are out and scales)
+
+
+def match_fp4(y: Node) -> Fp4 | None:
+    """fp4 as a model writes it in PyTorch: ``codes, scales = tpfuse.quantize_fp4(y, ...)`` (the op
+    ``tpfuse::quantize_fp4``, whose codes and scales are the fused op's), its outputs read by index; or
+    None. ``y`` may have users besides the quantisation (the norm's copy)."""
+    quants = [u for u in y.users if is_call(u, torch.ops.tpfuse.quantize_fp4.default) and u.args[0] is y]
+    if len(quants) != 1:
+        return None
+    quant = quants[0]
+    items = {u.args[1]: u for u in quant.users if u.target is operator.getitem}
+    if len(items) != len(quant.users) or 0 not in items:
+        return None
+    return Fp4(items[0], items.get(1), quant.args[1], quant.args[2] if len(quant.args) > 2 else None, [quant])
+
+
 def residual_problem(residual: object, add: Node, x: torch.Tensor, hidden: int) -> Reason | None:
     """Why the other operand of the add is not a residual the op can take (None when it is)."""
     if not isinstance(residual, Node) or not isinstance(meta_val(residual), torch.Tensor):

@@ -20,6 +20,7 @@ norm optional, in this order)::
     q  = fp8(y / scale) | fp8(y / s_g), s_g from amax per token or group   # quant: static | dynamic
                                                     #   (s_g may be rounded up to a power of two: UE8M0;
                                                     #   y may be read besides q: the op's normed copy)
+    q, s = tpfuse.quantize_fp4(y, "nvfp4" | "mxfp4")   # or fp4 as tpfuse's quantiser writes it
 
 After::
 
@@ -61,6 +62,7 @@ from tpfuse.compiler.matchers import (
     match_branch,
     match_dynamic_fp8,
     match_finalize,
+    match_fp4,
     match_layernorm,
     match_rmsnorm,
     match_static_fp8,
@@ -73,6 +75,7 @@ from tpfuse.compiler.matchers import (
 )
 from tpfuse.compiler.reasons import DYNAMIC_HIDDEN, Reason, no_communicator
 from tpfuse.compiler.sizes import element_count, size_expr, static_int, token_count
+from tpfuse.kernels.block_end import FP4_NVFP4
 from tpfuse.kernels.reference import dynamic_fp8
 from tpfuse.kernels.targets import fp8_format
 
@@ -285,6 +288,11 @@ class FusionPattern:
             if quant is None:
                 return None
             q_out, m.scales, m.scale_group, m.ue8m0, quant_nodes = quant
+        elif self.quant == "fp4":
+            quant = match_fp4(out)
+            if quant is None:
+                return None
+            q_out, m.scales, m.fp4, m.global_scale, quant_nodes = quant
         if self.quant:
             # The norm's result read besides its quantisation (a normed row that also feeds something
             # else): the op writes it too, in the input's dtype (normed_copy).
@@ -430,7 +438,8 @@ class FusionPattern:
         """The unfused pattern in plain torch (functional all-reduce, HF-style norms), from ``inputs``:
         ``x`` (and ``x_other`` with two branches), ``residual``, ``weight``, and where the pattern has
         them ``x_scale``, ``bias`` (and ``bias_other``), ``sum_weight``, ``norm_bias``, ``scale`` (static
-        fp8), ``scale_group`` (dynamic fp8). Returns ``(y, h)``, or ``(y, scales, h)`` for dynamic fp8."""
+        fp8), ``scale_group`` (dynamic fp8), ``fp4`` (``FP4_NVFP4``, the default, or ``FP4_MXFP4``) and
+        ``global_scale`` (NVFP4). Returns ``(y, h)``, or ``(y, scales, h)`` for dynamic fp8 and fp4."""
         import torch.distributed as dist
         import torch.distributed._functional_collectives as fc
 
@@ -460,6 +469,10 @@ class FusionPattern:
             y = (y.float() / inputs["scale"]).clamp(-fmt.max, fmt.max).to(fmt.dtype)
         elif self.quant == "dynamic":
             y, scales = dynamic_fp8(y, inputs["scale_group"])
+            return y, scales, h
+        elif self.quant == "fp4":  # tpfuse.quantize_fp4 as the op it calls
+            fp4 = inputs.get("fp4", FP4_NVFP4)
+            y, scales = torch.ops.tpfuse.quantize_fp4(y, fp4, inputs["global_scale"] if fp4 == FP4_NVFP4 else None)
             return y, scales, h
         return y, h
 
@@ -564,14 +577,14 @@ def _size_source(graph: Graph, size: torch.SymInt, m: Match) -> tuple[Node, int 
 
 
 # The steps a pattern may require, in the order they apply, and what each contributes to its name.
-QUANTS = (None, "static", "dynamic")
+QUANTS = (None, "static", "dynamic", "fp4")
 
 
 def combinations() -> list[dict]:
     """Every combination of steps the fused op runs, as a pattern's fields.
 
     The kernels run any subset of bias, post-norm, residual, RMSNorm or LayerNorm, and no, static or
-    dynamic fp8 (``kernels.block_end``); the all-reduced input may be multiplied by a number or be the
+    dynamic fp8 or fp4 output (``kernels.block_end``); the all-reduced input may be multiplied by a number or be the
     sum of two all-reduces, which the replacement folds into x before the one all-reduce. A number
     times a sum of two branches is left out: no model writes it, and ``search`` finds the number on
     the first branch only.
@@ -596,7 +609,7 @@ def pattern_name(steps: dict) -> str:
         "PostNorm" if steps["sum_norm"] else "",
         "Add" if steps["residual"] else "",
         "LayerNorm" if steps["layer_norm"] else "RMSNorm",
-        {None: "", "static": "Quant", "dynamic": "DynamicQuant"}[steps["quant"]],
+        {None: "", "static": "Quant", "dynamic": "DynamicQuant", "fp4": "Fp4Quant"}[steps["quant"]],
     ])
 
 
@@ -621,8 +634,8 @@ def _describe(steps: dict) -> str:
     parts = ["all-reduce + all-reduce" if steps["branches"] == 2 else "all-reduce"]
     parts += ["* a number"] * steps["scaled"] + ["+ bias"] * steps["bias"] + ["RMSNorm"] * steps["sum_norm"]
     parts += ["+ residual"] * steps["residual"] + ["LayerNorm" if steps["layer_norm"] else "RMSNorm"]
-    parts += {None: [], "static": ["static fp8"], "dynamic": ["fp8 with a scale per token or group"]}[
-        steps["quant"]]
+    parts += {None: [], "static": ["static fp8"], "dynamic": ["fp8 with a scale per token or group"],
+              "fp4": ["NVFP4 or MXFP4 (tpfuse.quantize_fp4)"]}[steps["quant"]]
     return " -> ".join(parts)
 
 

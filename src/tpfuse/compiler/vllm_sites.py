@@ -385,6 +385,7 @@ def _native_site(all_reduce: Node, group_name: str, hidden: int) -> Match | None
 
 def pattern_of(match: Match) -> FusionPattern:
     """The pattern whose checks and replacement serve a vLLM site: with or without a residual and fp8."""
-    quant = "DynamicQuant" if match.scales is not None else "Quant" if match.quant_scale is not None else ""
+    quant = ("Fp4Quant" if match.fp4 else "DynamicQuant" if match.scales is not None else
+             "Quant" if match.quant_scale is not None else "")
     return PATTERNS_BY_NAME[f"AllReduce{'PostNorm' if match.sum_weight is not None else ''}"
                             f"{'Add' if match.residual is not None else ''}RMSNorm{quant}"]

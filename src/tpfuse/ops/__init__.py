@@ -2,6 +2,7 @@
 
 from tpfuse.ops.allreduce_add_rmsnorm import (QuantizedOutputs, all_reduce, allreduce_add_rmsnorm,
                                               allreduce_add_rmsnorm_dynamic_fp8, allreduce_add_rmsnorm_quant)
+from tpfuse.ops.quantize import quantize_fp4
 
 __all__ = ["QuantizedOutputs", "all_reduce", "allreduce_add_rmsnorm", "allreduce_add_rmsnorm_dynamic_fp8",
-           "allreduce_add_rmsnorm_quant"]
+           "allreduce_add_rmsnorm_quant", "quantize_fp4"]

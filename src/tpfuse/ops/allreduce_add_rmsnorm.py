@@ -77,7 +77,7 @@ def check_inputs(
             raise TypeError("weight must be a tensor (the RMSNorm gain), got None")
         _check_row("weight", weight, shape, dtype, device)
     if epilogue is not block_end.PLAIN:
-        _check_block_end(x, shape, epilogue, device)
+        check_block_end(x, shape, epilogue, device)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if out is None and residual_out is None:
@@ -136,7 +136,7 @@ def _check_row(name: str, t, shape: torch.Size, dtype: torch.dtype, device: torc
         raise ValueError(f"{name} is on {t.device} but x is on {device}")
 
 
-def _check_block_end(x: torch.Tensor, shape: torch.Size, epilogue: Epilogue, device: torch.device) -> None:
+def check_block_end(x: torch.Tensor, shape: torch.Size, epilogue: Epilogue, device: torch.device) -> None:
     """The block end's tensors and how its steps combine (``shape``: the call's rows, [T, H])."""
     for name, t in (("bias", epilogue.bias), ("sum_weight", epilogue.sum_weight), ("norm_bias", epilogue.norm_bias)):
         if t is not None:
@@ -516,7 +516,7 @@ class QuantizedOutputs(NamedTuple):
 
 
 #: ``allreduce_add_rmsnorm_quant``'s ``output`` and ``scale_layout`` words.
-_FP4 = {"fp8": block_end.FP4_NONE, "nvfp4": block_end.FP4_NVFP4, "mxfp4": block_end.FP4_MXFP4}
+OUTPUTS = {"fp8": block_end.FP4_NONE, "nvfp4": block_end.FP4_NVFP4, "mxfp4": block_end.FP4_MXFP4}
 _SCALE_LAYOUTS = {"rows": block_end.SCALES_ROWS, "columns": block_end.SCALES_COLUMNS,
                   "packed_ue8m0": block_end.SCALES_PACKED_UE8M0}
 
@@ -564,11 +564,11 @@ def allreduce_add_rmsnorm_quant(
     QuantizedOutputs
         ``(y, scales, h, normed)``.
     """
-    if output not in _FP4:
-        raise ValueError(f"output must be one of {sorted(_FP4)}, got {output!r}")
+    if output not in OUTPUTS:
+        raise ValueError(f"output must be one of {sorted(OUTPUTS)}, got {output!r}")
     if scale_layout not in _SCALE_LAYOUTS:
         raise ValueError(f"scale_layout must be one of {sorted(_SCALE_LAYOUTS)}, got {scale_layout!r}")
-    fp4 = _FP4[output]
+    fp4 = OUTPUTS[output]
     if fp4 == block_end.FP4_NONE and quant_scale is None:
         scale_group = x.shape[-1] if scale_group is None and isinstance(x, torch.Tensor) else scale_group
         if isinstance(scale_group, bool) or not isinstance(scale_group, int) or scale_group <= 0:

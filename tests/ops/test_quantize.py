@@ -1,0 +1,78 @@
+"""``tpfuse.quantize_fp4``: NVFP4 and MXFP4 of a row on its own, in the fused op's layouts, decoded by each
+format's definition; exact where the format is; the same under torch.compile; bad input named."""
+
+import pytest
+import torch
+
+import tpfuse
+from tpfuse.kernels import formats
+from tpfuse.kernels.block_end import FP4_GROUP, FP4_MXFP4, FP4_NVFP4, Epilogue
+
+FP4 = {"nvfp4": FP4_NVFP4, "mxfp4": FP4_MXFP4}
+
+
+def _decoded(codes, scales, fp4, global_scale, n_tokens, hidden):
+    """The values the codes stand for: e2m1 times its group's scale (NVFP4's over the global scale)."""
+    group = formats.scales_as_float(Epilogue(fp4=fp4), scales, n_tokens, hidden).double()
+    if fp4 == FP4_NVFP4:
+        group = group / global_scale.double()
+    values = formats.e2m1_values(codes).double().unflatten(-1, (-1, FP4_GROUP[fp4]))
+    return (values * group.unsqueeze(-1)).flatten(-2)
+
+
+@pytest.mark.parametrize("output", ["nvfp4", "mxfp4"])
+def test_values_the_format_holds_come_back_exactly(output):
+    # Each group: e2m1 values times a power of two, its largest 6 * 2**k: both formats hold them exactly
+    # (MXFP4's scale 2**k; NVFP4's e4m3 scale 2**(k + 4) with a global scale of 16).
+    fp4 = FP4[output]
+    group, n_tokens, hidden = FP4_GROUP[fp4], 5, 256
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (n_tokens, hidden // group, group), generator=g)
+    codes[..., 0] = 7  # 6.0: each group's largest
+    powers = 2.0 ** torch.randint(-6, 4, (n_tokens, hidden // group, 1), generator=g)
+    y = (formats.E2M1_VALUES[codes] * powers).flatten(-2).bfloat16()
+    global_scale = torch.tensor([16.0]) if fp4 == FP4_NVFP4 else None
+    packed, scales = tpfuse.quantize_fp4(y, output, global_scale=global_scale)
+    assert packed.shape == (n_tokens, hidden // 2) and packed.dtype == torch.uint8
+    layout = formats.empty_scales(Epilogue(fp4=fp4), n_tokens, hidden, "cpu")  # the fused op's
+    assert scales.shape == layout.shape and scales.dtype == layout.dtype and scales.stride() == layout.stride()
+    assert torch.equal(_decoded(packed, scales, fp4, global_scale, n_tokens, hidden), y.double())
+
+
+@pytest.mark.parametrize("output", ["nvfp4", "mxfp4"])
+def test_random_rows_are_within_a_code_step_and_compile_to_the_same(output):
+    fp4 = FP4[output]
+    group = FP4_GROUP[fp4]
+    y = torch.randn(7, 512, generator=torch.Generator().manual_seed(4)).bfloat16()
+    amax = y.double().abs().unflatten(-1, (-1, group)).amax(-1, keepdim=True)
+    global_scale = (448 * 6 / y.float().abs().max()).reshape(1) if fp4 == FP4_NVFP4 else None
+    packed, scales = tpfuse.quantize_fp4(y, output, global_scale=global_scale)
+    error = (_decoded(packed, scales, fp4, global_scale, 7, 512) - y.double()).unflatten(-1, (-1, group))
+    # NVFP4: half of e2m1's widest step (2) at a scale of amax / 6, e4m3-rounded; MXFP4: amax / 2**e in
+    # [4, 8), saturated at 6: up to 2 at a scale of amax / 4
+    assert (error.abs() <= amax * (0.5 if fp4 == FP4_MXFP4 else 0.18)).all()
+    compiled = torch.compile(lambda t: tpfuse.quantize_fp4(t, output, global_scale=global_scale), fullgraph=True)
+    again = compiled(y)
+    assert torch.equal(again[0], packed) and torch.equal(again[1].view(torch.uint8), scales.view(torch.uint8))
+
+
+BAD = {
+    "unknown output": (dict(output="int4"), "output must be one of"),
+    "NVFP4 without a global scale": (dict(output="nvfp4"), "NVFP4 takes a global_scale"),
+    "MXFP4 with one": (dict(output="mxfp4", global_scale=torch.ones(1)), "MXFP4 takes none"),
+    "a hidden size the group does not divide": (dict(output="mxfp4", y=torch.randn(2, 48)), "must be a multiple of 32"),
+    "float64 global scale": (dict(output="nvfp4", global_scale=torch.ones(1, dtype=torch.float64)),
+                             "global_scale must be a float32 tensor of one element"),
+    "rows of three dimensions": (dict(output="mxfp4", y=torch.randn(2, 3, 64)), "[tokens, hidden]"),
+    "integer rows": (dict(output="mxfp4", y=torch.ones(2, 64, dtype=torch.int32)), "floating-point"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_is_named(name):
+    change, message = BAD[name]
+    change = dict(change)
+    y = change.pop("y", torch.randn(2, 64))
+    with pytest.raises(ValueError) as raised:
+        tpfuse.quantize_fp4(y, **change)
+    assert message in str(raised.value), str(raised.value)
