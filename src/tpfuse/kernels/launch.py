@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from tpfuse.kernels import interpreter_enabled
+from tpfuse.kernels.block_end import PLAIN
 from tpfuse.kernels.call import FusedCall
 
 
@@ -100,7 +101,9 @@ def launch(plan: LaunchPlan, call: FusedCall) -> None:
     # values alone; which pointers are misaligned is read only when one is. (The workspace's addresses
     # are the plan's own: their alignment never changes.)
     x, residual, weight, y, h, steps = addresses
-    bits = functools.reduce(operator.or_, steps, x | residual | weight | y | h)
+    bits = x | residual | weight | y | h
+    if call.epilogue is not PLAIN:  # (the common call's steps are all the weight's address: read already)
+        bits = functools.reduce(operator.or_, steps, bits)
     key = (tuple(bool(a & 15) for a in _flat(addresses)), values) if bits & 15 else values
     run = plan.compiled.get(key)
     if run is None:
