@@ -9,6 +9,7 @@ from tpfuse.kernels import formats
 from tpfuse.kernels.block_end import FP4_GROUP, FP4_MXFP4, FP4_NVFP4, Epilogue
 
 FP4 = {"nvfp4": FP4_NVFP4, "mxfp4": FP4_MXFP4}
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _decoded(codes, scales, fp4, global_scale, n_tokens, hidden):
@@ -39,14 +40,20 @@ def test_values_the_format_holds_come_back_exactly(output):
     assert torch.equal(_decoded(packed, scales, fp4, global_scale, n_tokens, hidden), y.double())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("output", ["nvfp4", "mxfp4"])
-def test_random_rows_are_within_a_code_step_and_compile_to_the_same(output):
+def test_random_rows_are_within_a_code_step_and_compile_to_the_same(output, device):
     fp4 = FP4[output]
     group = FP4_GROUP[fp4]
-    y = torch.randn(7, 512, generator=torch.Generator().manual_seed(4)).bfloat16()
+    y = torch.randn(7, 512, generator=torch.Generator().manual_seed(4)).bfloat16().to(device)
     amax = y.double().abs().unflatten(-1, (-1, group)).amax(-1, keepdim=True)
     global_scale = (448 * 6 / y.float().abs().max()).reshape(1) if fp4 == FP4_NVFP4 else None
     packed, scales = tpfuse.quantize_fp4(y, output, global_scale=global_scale)
+    assert packed.device == scales.device == y.device
+    if device != "cpu":  # the same bits as on the CPU
+        on_cpu = tpfuse.quantize_fp4(y.cpu(), output, global_scale=None if global_scale is None else global_scale.cpu())
+        assert torch.equal(packed.cpu(), on_cpu[0]) and torch.equal(scales.cpu().view(torch.uint8),
+                                                                    on_cpu[1].view(torch.uint8))
     error = (_decoded(packed, scales, fp4, global_scale, 7, 512) - y.double()).unflatten(-1, (-1, group))
     # NVFP4: half of e2m1's widest step (2) at a scale of amax / 6, e4m3-rounded; MXFP4: amax / 2**e in
     # [4, 8), saturated at 6: up to 2 at a scale of amax / 4

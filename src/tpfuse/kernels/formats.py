@@ -120,7 +120,7 @@ def ue8m0_bytes(scales: torch.Tensor) -> torch.Tensor:
 
 def e8m0_values(codes: torch.Tensor) -> torch.Tensor:
     """e8m0 codes (uint8) -> float32 ``2**(code - 127)`` (0xFF, NaN, is not expected)."""
-    return torch.ldexp(torch.ones(codes.shape, dtype=torch.float64), codes.to(torch.int64) - 127).float()
+    return torch.ldexp(torch.ones(codes.shape, dtype=torch.float64, device=codes.device), codes.to(torch.int64) - 127).float()
 
 
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
