@@ -4,6 +4,8 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="about Triton's CPU interpreter (TRITON_INTERPRET=1)")
@@ -65,3 +67,41 @@ def test_float32_to_bfloat16_rounds_to_nearest_even_as_gpus_do():
     expected = x.bfloat16()
     same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
     assert same.all(), (x[~same][:4], got[~same][:4], expected[~same][:4])
+
+
+def test_helpers_run_under_the_kernels_language_patch():
+    # Each @triton.jit helper call used to patch triton.language again (inspect.getmembers over its
+    # modules): now a launch patches it once, however many helper calls its programs make, and
+    # restores it when the kernel returns; the results are the same.
+    from triton.runtime import interpreter as triton_interpreter
+
+    import tpfuse.kernels  # noqa: F401 - installs the interpreter's fixes
+
+    patched, patch_builtin = [], triton_interpreter._patch_builtin
+    triton_interpreter._patch_builtin = lambda *args: (patched.append(args[0]), patch_builtin(*args))[1]
+    try:
+        counts = []
+        for times in (1, 6):
+            src, dst = torch.arange(8, dtype=torch.float32), torch.empty(8)
+            patched.clear()
+            doubled[(3,)](src, dst, TIMES=times, BLOCK=8)
+            assert torch.equal(dst, src * 2 ** times)
+            counts.append(len(patched))
+    finally:
+        triton_interpreter._patch_builtin = patch_builtin
+    assert counts[0] == counts[1] > 0, counts  # (each helper call added a patch of every module before)
+    assert getattr(tl.load, "__triton_builtin__", False), "the language was left patched after the kernel"
+
+
+@triton.jit
+def twice(v):
+    return v * 2
+
+
+@triton.jit
+def doubled(src, dst, TIMES: tl.constexpr, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    v = tl.load(src + cols)
+    for _ in tl.static_range(TIMES):
+        v = twice(v)
+    tl.store(dst + cols, v)

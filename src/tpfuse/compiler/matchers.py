@@ -475,7 +475,7 @@ class Fp4(NamedTuple):
     """An fp4 quantisation found by :func:`match_fp4`."""
 
     out: Node  # the codes [T, H / 2]
-    scales: Node  # the scales, in the fused op's layout
+    scales: Node | None  # the scales, in the fused op's layout (None: not read)
     fp4: int  # kernels.block_end.FP4_NVFP4 or FP4_MXFP4
     global_scale: Node | None  # NVFP4's
     nodes: list[Node]  # the quantisation's own nodes (the op; its outputs are out and scales)
