@@ -415,14 +415,19 @@ def check_examples_against_float64(rank_pool, names):
             assert [t.dtype for t in g] == [t.dtype if t.dtype != torch.float64 else torch.bfloat16 for t in e]
             (y, h), (y64, h64) = (_dequantized(t, _scale_group(i), _fp4(i)) for t in (g, e))
             torch.testing.assert_close(h.double(), h64.double(), atol=2e-2, rtol=1e-2, msg=name)
-            if g[0].dtype == torch.uint8:  # fp4: within a code step of the float64 row (+ bf16's rounding)
-                # NVFP4: half of e2m1's widest step (2) at a scale of amax / 6 (e4m3-rounded: +-7%); MXFP4:
-                # amax / 2**e in [4, 8), saturated at 6: up to 2 at a scale of amax / 4
+            if g[0].dtype == torch.uint8:  # fp4: both sides quantised, the same codes but near a tie
+                # A row value within bf16's rounding of the midpoint of two codes rounds either way in
+                # the two (bf16 / float64 rows): a whole code step apart, at most e2m1's widest (2) at the
+                # group's scale: NVFP4's amax / 6 (e4m3-rounded: up to +7%), MXFP4's at most amax / 4.
                 group = FP4_GROUP[_fp4(i)]
                 amax = y64.abs().unflatten(-1, (-1, group)).amax(-1, keepdim=True)
-                step = amax * (0.5 if _fp4(i) == FP4_MXFP4 else 0.18)
+                step = amax * (0.5 if _fp4(i) == FP4_MXFP4 else 0.36)
                 bound = step.expand(-1, -1, group).flatten(-2) + 0.02 * y64.abs()
                 assert ((y - y64).abs() <= bound).all(), (name, (y - y64).abs().max(), bound.min())
+                # and rare: a value at a tie, or a group whose amax sits at a rounding boundary of its
+                # scale (the whole group: 4% of this example's values at most seen); a rounding or layout
+                # bug moves most values
+                assert (y != y64).double().mean() < 0.1, (name, (y != y64).double().mean())
                 continue
             fp8 = g[0].dtype == torch.float8_e4m3fn
             tol = dict(atol=0.02 * y64.abs().max().item(), rtol=0.13) if fp8 else dict(atol=3e-2, rtol=2e-2)
