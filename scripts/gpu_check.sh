@@ -5,7 +5,7 @@
 # counts, 5 providers), `variants` 2 min, the end-to-end benchmark 3-5 min: a 10-minute device call
 # holds one part.
 # Usage (device tool, carry [".anchors"] for FlashInfer):
-#   bash scripts/gpu_check.sh [one-gpu|quick|tests|bench|variants|epilogues|baseline|e2e|hf|hf-pairs|soak-start|soak-wait]
+#   bash scripts/gpu_check.sh [one-gpu|host|quick|tests|bench|variants|epilogues|baseline|e2e|hf|hf-pairs|soak-start|soak-wait]
 # Needs: 2+ GPUs, python3 with torch (>= 2.11) and triton; nothing is installed from a registry.
 # Runs on NVIDIA (CUDA torch) and AMD (ROCm torch: MI300X, MI355X) alike: on ROCm the topology comes
 # from rocm-smi and FlashInfer (NVIDIA only) leaves the providers.
@@ -31,6 +31,12 @@ if [ -f .anchors/setup.sh ]; then bash .anchors/setup.sh .anchors 2>&1 | tail -1
 python3 -m tpfuse info --hidden 8192 | tee "$OUT/info.log"
 
 status=0
+# `host`: host us a call of the launches and the eager op (two ranks on one GPU) beside torch's chain.
+host_cost() {
+  echo "== host us a call =="
+  timeout 200 python3 -m tpfuse bench host --tokens 1,64 --hidden 4096,8192 --out "$OUT" 2>&1 | tee "$OUT/host.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
 # `one-gpu`: what one GPU can show. The fast lane on the GPU (kernels compiled for it: the compile
 # test, the one-GPU kernel tests, world size 1), two ranks sharing the GPU (GPU us a call), and the
 # host us a call of the launchers and the eager op (two ranks on the GPU) beside torch's chain.
@@ -41,11 +47,10 @@ if [ "$MODE" = one-gpu ]; then
   echo "== loopback: two ranks on one GPU, GPU us a call (CUDA-graph replays) =="
   timeout 150 python3 scripts/loopback_latency.py 2>&1 | tee "$OUT/loopback.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  echo "== host us a call =="
-  timeout 200 python3 -m tpfuse bench host --tokens 1,64 --hidden 4096,8192 --out "$OUT" 2>&1 | tee "$OUT/host.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  host_cost
   exit $status
 fi
+if [ "$MODE" = host ]; then host_cost; exit $status; fi
 E2E_LAYERS=${E2E_LAYERS:-8}
 e2e() {
   echo "== end to end: TP llama-3-8b shapes ($E2E_LAYERS layers), decode steps and prefill, CUDA graphs =="

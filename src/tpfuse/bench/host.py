@@ -5,8 +5,10 @@ every call's host work is paid on the critical path. This measures it per call, 
 ``perf_counter`` around single calls (the launch queue kept short: the device is synchronised every
 :data:`CALLS_PER_SYNC` calls, outside the timed spans):
 
-- ``launch oneshot`` / ``launch twoshot``: the kernel's launcher alone (``kernels.oneshot`` /
-  ``kernels.twoshot``), a plan kept from earlier calls.
+- ``launch oneshot`` / ``launch twoshot``: the kernel's launch as the op makes it (``launch(plan, call)``,
+  the plan kept by an earlier call: a communicator's plan of a call holds it).
+- ``launcher oneshot`` / ``launcher twoshot``: the launchers' API (``kernels.oneshot`` / ``kernels.twoshot``),
+  which looks the kept plan up by the call's kind before the launch (the launch rows until 2026-12-04).
 - ``op oneshot`` / ``op twoshot``: the whole public op, ``tpfuse.allreduce_add_rmsnorm`` in eager
   code (checks, the communicator's plan, the launch), the algorithm forced by a table.
 - ``op world size 1``: the op on a group of one rank (the block end as one kernel, no communication),
@@ -24,6 +26,7 @@ shared host's speed drifts, and rows compared with each other see the same drift
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from typing import Callable, NamedTuple
@@ -40,6 +43,8 @@ ROUNDS = 5
 #: Calls a row takes in one turn.
 TURN_CALLS = 1000
 EPS = 1e-6
+#: The launch rows: the op's launch (its plan kept), and the launchers' API (the plan looked up a call).
+_LAUNCH_ROWS = (("launch", False), ("launcher", True))
 
 
 def host_us(call: Callable[[], object], after: Callable[[], object] | None = None, calls: int = 2000,
@@ -88,16 +93,26 @@ def _gpu_us(fn: Callable[[], object]) -> float | None:
     return graph_replay_us(fn)
 
 
-def _launchers(tokens: int, world: int) -> dict:
-    """The algorithms a call of ``tokens`` rows can take, with their launchers (the two-shot needs a row
-    for every rank)."""
-    from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
-    from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
+def _plans(tokens: int, world: int) -> dict:
+    """The algorithms a call of ``tokens`` rows can take, with the functions giving their kept launch plans
+    (``oneshot_plan`` / ``twoshot_plan``: the launchers' API is ``launch(plan(ctx, call), call)``; the
+    two-shot needs a row for every rank)."""
+    from tpfuse.kernels.oneshot import oneshot_plan
+    from tpfuse.kernels.twoshot import twoshot_plan
 
-    launchers = {select.ONESHOT: oneshot_allreduce_add_rmsnorm}
+    plans = {select.ONESHOT: oneshot_plan}
     if tokens >= world:
-        launchers[select.TWOSHOT] = twoshot_allreduce_add_rmsnorm
-    return launchers
+        plans[select.TWOSHOT] = twoshot_plan
+    return plans
+
+
+def _launch(plan_of: Callable, ctx, call, look_up: bool) -> Callable[[], None]:
+    """A launch of ``call``: with its plan kept here (as the op's), or looked up each time (the launchers' API)."""
+    from tpfuse.kernels.launch import launch
+
+    if look_up:
+        return lambda: launch(plan_of(ctx, call), call)
+    return functools.partial(launch, plan_of(ctx, call), call)
 
 
 class Row(NamedTuple):
@@ -142,8 +157,9 @@ def _world_size_one_rows(tokens: int, hidden: int, device) -> list[Row]:
 @contextlib.contextmanager
 def loopback_pair(tokens: int, hidden: int, device):
     """Two ranks on this process's GPU, ready to call: yields ``(own, peer, op)``, functions of an
-    algorithm (``select.ONESHOT`` / ``TWOSHOT``): rank 0's launcher (on the current stream), rank 1's
-    launcher (on a stream of its own: run it after each of rank 0's calls), and rank 0's whole eager op
+    algorithm (``select.ONESHOT`` / ``TWOSHOT``): rank 0's launch (on the current stream; ``own(algorithm,
+    look_up=True)`` through the launchers' API), rank 1's launch (on a stream of its own: run it after each of
+    rank 0's calls), and rank 0's whole eager op
     with that algorithm forced (a context manager giving the call). Checks afterwards that no call failed."""
     import tpfuse
     from tpfuse.kernels import layout
@@ -157,7 +173,7 @@ def loopback_pair(tokens: int, hidden: int, device):
     inputs = case.inputs(world, device)
     calls = [case.fused_call(inputs, r) for r in range(world)]
     streams = [torch.cuda.Stream(device) for _ in range(world)]
-    launchers = _launchers(tokens, world)
+    plans = _plans(tokens, world)
 
     def on_stream(rank: int, fn: Callable[[], object]) -> Callable[[], object]:
         def run():
@@ -169,9 +185,9 @@ def loopback_pair(tokens: int, hidden: int, device):
     # (see scripts/loopback_latency.py): load both kernels with a short bound, then start afresh.
     for ctx in contexts:
         ctx.wait_limit_ns = 10**6
-    for launcher in launchers.values():
+    for plan_of in plans.values():
         for rank in range(world):
-            on_stream(rank, lambda launcher=launcher, rank=rank: launcher(contexts[rank], calls[rank]))()
+            on_stream(rank, _launch(plan_of, contexts[rank], calls[rank], look_up=True))()
         torch.cuda.synchronize()
     for ctx in contexts:
         ctx.wait_limit_ns = 2 * 10**9
@@ -179,11 +195,11 @@ def loopback_pair(tokens: int, hidden: int, device):
         ctx.workspace.state.zero_()
     torch.cuda.synchronize()
 
-    def own(algorithm: str) -> Callable[[], object]:
-        return lambda: launchers[algorithm](contexts[0], calls[0])
+    def own(algorithm: str, look_up: bool = False) -> Callable[[], object]:
+        return _launch(plans[algorithm], contexts[0], calls[0], look_up)
 
     def peer(algorithm: str) -> Callable[[], object]:
-        return on_stream(1, lambda: launchers[algorithm](contexts[1], calls[1]))
+        return on_stream(1, _launch(plans[algorithm], contexts[1], calls[1], look_up=False))
 
     @contextlib.contextmanager
     def op(algorithm: str):
@@ -214,14 +230,16 @@ def loopback_pair(tokens: int, hidden: int, device):
 def _loopback_rows(tokens: int, hidden: int, device):
     """Two ranks on this process's GPU: the launchers and the whole op (rank 0 timed); valid while the
     context is."""
-    algorithms = list(_launchers(tokens, 2))
+    algorithms = list(_plans(tokens, 2))
     with loopback_pair(tokens, hidden, device) as (own, peer, op):
         def take_op(algorithm: str) -> float:
             with op(algorithm) as call:
                 return host_us(call, after=peer(algorithm), calls=TURN_CALLS)
 
-        yield [Row(2, f"launch {a}", lambda a=a: host_us(own(a), after=peer(a), calls=TURN_CALLS))
-               for a in algorithms] + [Row(2, f"op {a}", lambda a=a: take_op(a)) for a in algorithms]
+        yield [Row(2, f"{word} {a}", lambda a=a, look_up=look_up: host_us(own(a, look_up), after=peer(a),
+                                                                          calls=TURN_CALLS))
+               for word, look_up in _LAUNCH_ROWS for a in algorithms] + [
+            Row(2, f"op {a}", lambda a=a: take_op(a)) for a in algorithms]
 
 
 @contextlib.contextmanager
@@ -244,9 +262,11 @@ def _group_rows(tokens: int, hidden: int, device):
                                                                 out=call.y, residual_out=call.h), calls=TURN_CALLS)
 
     chain = _torch_chain(call.x.clone(), call.residual, call.weight, all_reduce=True)
-    launchers = _launchers(tokens, world)
-    yield [Row(world, f"launch {a}", lambda f=f: host_us(lambda: f(comm.fused_backend.launch, call), calls=TURN_CALLS))
-           for a, f in launchers.items()] + [Row(world, f"op {a}", lambda a=a: take_op(a)) for a in launchers] + [
+    plans = _plans(tokens, world)
+    yield [Row(world, f"{word} {a}", lambda f=f, look_up=look_up: host_us(
+               _launch(f, comm.fused_backend.launch, call, look_up), calls=TURN_CALLS))
+           for word, look_up in _LAUNCH_ROWS for a, f in plans.items()] + [
+        Row(world, f"op {a}", lambda a=a: take_op(a)) for a in plans] + [
         Row(world, "torch all_reduce + add + rms_norm", lambda: host_us(chain, calls=TURN_CALLS))]
     comm.check_errors()
 
