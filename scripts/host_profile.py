@@ -80,7 +80,8 @@ def main():
         for name, fn in parts.items():
             print(f"{host_us(fn):8.2f} us  {name}")
         profile("op at world size 1", op)
-        with loopback_pair(1, 4096, device) as (own, peer, loopback_op):
+        with loopback_pair(1, 4096, device) as pair:
+            own, peer, loopback_op = pair.own, pair.peer, pair.op
             print(f"{host_us(own(select.ONESHOT), after=peer(select.ONESHOT)):8.2f} us  launch, one-shot, 2 ranks")
             with loopback_op(select.ONESHOT) as op2:
                 print(f"{host_us(op2, after=peer(select.ONESHOT)):8.2f} us  op, one-shot, 2 ranks")

@@ -154,13 +154,29 @@ def _world_size_one_rows(tokens: int, hidden: int, device) -> list[Row]:
             Row(1, "torch add + rms_norm", lambda: host_us(chain, calls=TURN_CALLS), chain)]
 
 
+class LoopbackPair(NamedTuple):
+    """Two ranks on one GPU, ready to call (:func:`loopback_pair`). ``own``, ``peer`` and ``op`` are
+    functions of an algorithm (``select.ONESHOT`` / ``TWOSHOT``)."""
+
+    #: ``own(algorithm, look_up=False)``: rank 0's launch on the current stream (``look_up``: through the
+    #: launchers' API).
+    own: Callable[..., Callable[[], object]]
+    #: ``peer(algorithm)``: rank 1's launch on ``peer_stream`` (run it after each of rank 0's calls).
+    peer: Callable[[str], Callable[[], object]]
+    #: ``op(algorithm)``: a context manager giving rank 0's whole eager op with that algorithm forced.
+    op: Callable
+    peer_stream: torch.cuda.Stream
+    #: The ranks' inputs (``Case.inputs``) and calls (outputs ``call.y`` / ``call.h``), tensors the calls
+    #: read and write in place.
+    case: object
+    inputs: dict
+    calls: list
+
+
 @contextlib.contextmanager
 def loopback_pair(tokens: int, hidden: int, device):
-    """Two ranks on this process's GPU, ready to call: yields ``(own, peer, op)``, functions of an
-    algorithm (``select.ONESHOT`` / ``TWOSHOT``): rank 0's launch (on the current stream; ``own(algorithm,
-    look_up=True)`` through the launchers' API), rank 1's launch (on a stream of its own: run it after each of
-    rank 0's calls), and rank 0's whole eager op
-    with that algorithm forced (a context manager giving the call). Checks afterwards that no call failed."""
+    """Two ranks on this process's GPU, ready to call: yields a :class:`LoopbackPair`; rank 0's op goes
+    through a loopback communicator of the default group. Checks afterwards that no call failed."""
     import tpfuse
     from tpfuse.kernels import layout
     from tpfuse.testing import forced_table, local_launch_contexts
@@ -217,7 +233,7 @@ def loopback_pair(tokens: int, hidden: int, device):
     torch.cuda.set_stream(streams[0])
     comm = loopback_communicator(dist.group.WORLD, contexts[0])
     try:
-        yield own, peer, op
+        yield LoopbackPair(own, peer, op, streams[1], case, inputs, calls)
     finally:
         comm.destroy()
         torch.cuda.set_stream(before)
@@ -231,13 +247,13 @@ def _loopback_rows(tokens: int, hidden: int, device):
     """Two ranks on this process's GPU: the launchers and the whole op (rank 0 timed); valid while the
     context is."""
     algorithms = list(_plans(tokens, 2))
-    with loopback_pair(tokens, hidden, device) as (own, peer, op):
+    with loopback_pair(tokens, hidden, device) as pair:
         def take_op(algorithm: str) -> float:
-            with op(algorithm) as call:
-                return host_us(call, after=peer(algorithm), calls=TURN_CALLS)
+            with pair.op(algorithm) as call:
+                return host_us(call, after=pair.peer(algorithm), calls=TURN_CALLS)
 
-        yield [Row(2, f"{word} {a}", lambda a=a, look_up=look_up: host_us(own(a, look_up), after=peer(a),
-                                                                          calls=TURN_CALLS))
+        yield [Row(2, f"{word} {a}", lambda a=a, look_up=look_up: host_us(pair.own(a, look_up),
+                                                                          after=pair.peer(a), calls=TURN_CALLS))
                for word, look_up in _LAUNCH_ROWS for a in algorithms] + [
             Row(2, f"op {a}", lambda a=a: take_op(a)) for a in algorithms]
 
