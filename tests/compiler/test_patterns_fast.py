@@ -15,7 +15,7 @@ from torch import nn
 
 from tpfuse.compiler import PATTERNS, FusionPass
 from tpfuse.compiler.patterns import combinations, pattern_name
-from tpfuse.kernels.block_end import FP4_MXFP4, FP4_NVFP4
+from tpfuse.kernels.block_end import FP4_MXFP4, FP4_NVFP4, SCALES_ROWS, SCALES_SHUFFLED
 from tpfuse.kernels.reference import dynamic_fp8
 from tpfuse.kernels.targets import fp8_format
 from tpfuse.models.llama import HFRMSNorm
@@ -113,7 +113,13 @@ def post_grad_pass_without_dynamo(module: nn.Module, *inputs, fusion_pass: Fusio
 def _inputs(pattern, index: int, x, x_other, residual, params) -> dict:
     group = (64, 16)[index % 2]  # dynamic fp8: a scale per token or per group of 16, alternately
     fp4 = (FP4_NVFP4, FP4_MXFP4)[index % 2]  # fp4: NVFP4 and MXFP4, alternately
-    return {"x": x, "x_other": x_other, "residual": residual, "scale_group": group, "fp4": fp4, **params}
+    return {"x": x, "x_other": x_other, "residual": residual, "scale_group": group, "fp4": fp4,
+            "scale_layout": _mxfp4_layout(index), **params}
+
+
+def _mxfp4_layout(index: int) -> int:
+    """MXFP4's scales (odd sites): AITER's shuffled order at every other one, rows at the rest."""
+    return SCALES_SHUFFLED if index % 4 == 1 else SCALES_ROWS
 
 
 class AllExamples(nn.Module):
@@ -207,6 +213,7 @@ def _fuse_whole(patterns, trace=post_grad_pass_without_dynamo) -> None:
         if quant == "fp4":  # NVFP4 with the model's global scale, MXFP4 without
             assert steps["fp4"] == (FP4_NVFP4, FP4_MXFP4)[index % 2], (pattern.name, steps)
             assert (steps.get("global_scale") is not None) == (steps["fp4"] == FP4_NVFP4), (pattern.name, steps)
+            assert steps.get("scale_layout", SCALES_ROWS) == _mxfp4_layout(index), (pattern.name, steps)
         does = (steps.get("bias") is not None, steps.get("sum_weight") is not None, node.args[1] is not None,
                 steps.get("layer_norm", False), steps.get("norm_bias") is not None, quant,
                 steps.get("shared_expert") is not None)

@@ -26,12 +26,13 @@ GEMMA_PER_GROUP = dict(SUM_NORM=True, QUANT=2, SCALE_GROUP=128)
 MOE = dict(EXPERTS=8, TOPK_WEIGHTS=True, SHARED_EXPERT=True)
 # The quantised outputs the next GEMM takes (epilogue._store_fp8 / _store_fp4): UE8M0 exponents packed in
 # int32 words with the norm's copy, column-major float32 scales, NVFP4 (e4m3 scales, swizzled) and MXFP4
-# (e8m0 scales). STEP_TYPES: the scales' pointer type where it is not float32.
+# (e8m0 scales, row-major or shuffled). STEP_TYPES: the scales' pointer type where it is not float32.
 PACKED_UE8M0 = dict(QUANT=2, SCALE_GROUP=128, POW2_SCALES=True, SCALE_LAYOUT=2, NORMED_COPY=True,
                     STEP_TYPES={"scales": "*i32"})
 COLUMNS = dict(QUANT=2, SCALE_GROUP=128, SCALE_LAYOUT=1)
 NVFP4 = dict(QUANT=3, SCALE_GROUP=16, NORMED_COPY=True, STEP_TYPES={"scales": "*u8"})
 MXFP4 = dict(QUANT=4, SCALE_GROUP=32, STEP_TYPES={"scales": "*u8"})
+MXFP4_SHUFFLED = dict(MXFP4, SCALE_LAYOUT=3)  # AITER's e8m0_shuffle order
 QUANTISED_OUTPUTS = [
     ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, **PACKED_UE8M0)),
     ("oneshot", 4, "bf16", dict(ONESHOT, BLOCK_H=4096, BLOCK_C=4096, **COLUMNS)),
@@ -40,6 +41,8 @@ QUANTISED_OUTPUTS = [
     ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False, **PACKED_UE8M0)),
     ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=True, **NVFP4)),
     ("twoshot", 4, "bf16", dict(BLOCK_H=4096, GROUPED=True, WIRE=False, **MXFP4)),
+    ("oneshot", 8, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, **MXFP4_SHUFFLED)),
+    ("twoshot", 2, "bf16", dict(BLOCK_H=2048, GROUPED=True, WIRE=False, **MXFP4_SHUFFLED)),
 ]
 # (kernel, world, dtype, constexprs)
 SHAPES = [

@@ -28,6 +28,9 @@ def test_flags_above_15_bits_travel_in_the_last_word_beside_the_regions_top_bit(
     assert all(0 <= w <= 0x7FFF for w in words), words
     assert layout.explain_descriptor(words) == (
         "7 x 4096 bfloat16 twoshot, no residual, a copy of the norm's output, NVFP4 output")
+    shuffled = layout.call_flags(torch.bfloat16, True) | layout.FLAG_MXFP4 | layout.FLAG_SCALES_SHUFFLED
+    assert layout.explain_descriptor(layout.describe_call(2, 512, shuffled, 1, 4096)) == (
+        "2 x 512 bfloat16 oneshot, residual, MXFP4 output, shuffled e8m0 scales")
     # A call of the reference path (float32: no kernel takes one) as the host compares it.
     assert layout.explain_flags(layout.call_flags(torch.float32, True) | layout.FLAG_MXFP4) == (
         "float32, residual, MXFP4 output")

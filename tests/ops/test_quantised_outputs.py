@@ -1,6 +1,6 @@
 """The quantised outputs the next GEMM takes (``tpfuse.allreduce_add_rmsnorm_quant``) against float64 on
 every rank: the norm's copy beside fp8, UE8M0 scales (as float32 powers of two, column-major, packed four
-to an int32), NVFP4 and MXFP4; both kernels at 2 and 3 ranks, over the workspace, world size 1 (the
+to an int32), NVFP4 and MXFP4 (its scales row-major or shuffled as AITER's GEMMs read them); both kernels at 2 and 3 ranks, over the workspace, world size 1 (the
 local kernel), the reference path, ranks whose calls differ, bad input."""
 
 import pytest
@@ -22,8 +22,9 @@ CASES = [Case(3, 4096, torch.bfloat16, quant_scale=0.02, normed_copy=True, seed=
          Case(3, 4096, torch.bfloat16, fp4="mxfp4", experts=2, topk_weighted=True, seed=7),
          Case(40, 4096, torch.bfloat16, fp4="nvfp4", seed=8),  # over the workspace: the swizzled tiles
          Case(40, 4096, torch.bfloat16, scale_group=128, scale_layout="columns", seed=9),  # over it, columns
+         Case(36, 512, torch.bfloat16, fp4="mxfp4", scale_layout="shuffled", seed=11),  # two blocks of 32 rows
          Case(3, 512, torch.float32, fp4="mxfp4", normed_copy=True, seed=10)]  # the reference path
-KERNEL_CASES = 9  # the last one's dtype takes the reference path
+KERNEL_CASES = 10  # the last one's dtype takes the reference path
 OVER_WORKSPACE = (7, 8)
 
 
@@ -49,8 +50,9 @@ def test_quantised_outputs_without_a_communicator(rank_pool, world_size):
 
 def test_padding_is_zero_and_layouts_are_what_gemms_read():
     """The op's scale tensors: DeepGEMM's column-major (T padded to 4) and packed words, NVFP4's tiles
-    with zero padding, fp4 codes two a byte (checked by encoding known values)."""
-    from tpfuse.kernels.block_end import FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0, Epilogue
+    and MXFP4's shuffled blocks with zero padding, fp4 codes two a byte (checked by encoding known values)."""
+    from tpfuse.kernels.block_end import (FP4_MXFP4, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0,
+                                          SCALES_SHUFFLED, Epilogue)
 
     columns = formats.empty_scales(Epilogue(scale_group=128, scale_layout=SCALES_COLUMNS), 5, 1024, "cpu")
     assert columns.shape == (5, 8) and columns.stride() == (1, 8) and columns.dtype == torch.float32
@@ -68,6 +70,29 @@ def test_padding_is_zero_and_layouts_are_what_gemms_read():
     assert tiles.flatten()[1 * 16 + 1 * 4].item() == logical[33, 0]
     assert tiles.flatten()[512 + 1 * 16 + 1 * 4 + 1].item() == logical[33, 5]
     assert torch.equal(formats.unswizzle_block_scales(tiles, 128, 8), logical)
+    shuffled = formats.empty_scales(Epilogue(fp4=FP4_MXFP4, scale_layout=SCALES_SHUFFLED), 5, 1024, "cpu")
+    assert shuffled.shape == (256, 32) and shuffled.dtype == torch.float8_e8m0fnu
+    assert not shuffled.view(torch.uint8).any()
+    # AITER's e8m0_shuffle, entry by entry: (m, g) at (m // 32) * 32 * G + (g // 8) * 256 + (g % 4) * 64 +
+    # (m % 16) * 4 + (g % 8) // 4 * 2 + (m % 32) // 16, for G (groups, padded to 8) = 16.
+    logical = torch.arange(64 * 16, dtype=torch.int32).view(64, 16)
+    flat = formats.shuffle_e8m0_scales(logical).flatten()
+    for m in range(64):
+        for g in range(16):
+            at = (m // 32) * 32 * 16 + (g // 8) * 256 + (g % 4) * 64 + (m % 16) * 4 + (g % 8) // 4 * 2 + (m % 32) // 16
+            assert flat[at] == logical[m, g], (m, g)
+    assert torch.equal(formats.unshuffle_e8m0_scales(formats.shuffle_e8m0_scales(logical), 64, 16), logical)
+    # A call over the workspace runs in parts: each part's shuffled scales go to its rows of the whole.
+    epilogue = Epilogue(fp4=FP4_MXFP4, scale_layout=SCALES_SHUFFLED)
+    rows = torch.randint(100, 140, (40, 16), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
+    whole = formats.empty_scales(epilogue, 40, 512, "cpu")
+    for start, stop in ((0, 16), (16, 32), (32, 40)):
+        part = formats.empty_scales(epilogue, stop - start, 512, "cpu")
+        part.view(torch.uint8).copy_(formats.shuffle_e8m0_scales(
+            torch.nn.functional.pad(rows[start:stop], (0, 0, 0, 256 - (stop - start)))))
+        formats.place_scale_rows(epilogue, whole, start, part, stop - start)
+    assert torch.equal(formats.unshuffle_e8m0_scales(whole.view(torch.uint8), 256, 16)[:40], rows)
+    assert not formats.unshuffle_e8m0_scales(whole.view(torch.uint8), 256, 16)[40:].any()
 
 
 def _one_rank_quantises_otherwise(rank, world_size):
@@ -95,6 +120,11 @@ BAD = {
                              "global_scale must be a float32 tensor of one element"),
     "layout of static fp8": (dict(quant_scale=torch.ones(1), scale_layout="columns"), ValueError,
                              "they need a scale_group"),
+    "shuffled NVFP4": (dict(output="nvfp4", global_scale=torch.ones(1), scale_layout="shuffled"), ValueError,
+                       "is MXFP4's"),
+    "shuffled fp8": (dict(scale_group=32, scale_layout="shuffled"), ValueError, "is MXFP4's"),
+    "fp4 in DeepGEMM's columns": (dict(output="mxfp4", scale_layout="columns"), ValueError,
+                                  "the columns and packed layouts are dynamic fp8's"),
 }
 
 

@@ -6,15 +6,15 @@ import torch
 
 import tpfuse
 from tpfuse.kernels import formats
-from tpfuse.kernels.block_end import FP4_GROUP, FP4_MXFP4, FP4_NVFP4, Epilogue
+from tpfuse.kernels.block_end import FP4_GROUP, FP4_MXFP4, FP4_NVFP4, SCALES_ROWS, SCALES_SHUFFLED, Epilogue
 
 FP4 = {"nvfp4": FP4_NVFP4, "mxfp4": FP4_MXFP4}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _decoded(codes, scales, fp4, global_scale, n_tokens, hidden):
+def _decoded(codes, scales, fp4, global_scale, n_tokens, hidden, scale_layout=SCALES_ROWS):
     """The values the codes stand for: e2m1 times its group's scale (NVFP4's over the global scale)."""
-    group = formats.scales_as_float(Epilogue(fp4=fp4), scales, n_tokens, hidden).double()
+    group = formats.scales_as_float(Epilogue(fp4=fp4, scale_layout=scale_layout), scales, n_tokens, hidden).double()
     if fp4 == FP4_NVFP4:
         group = group / global_scale.double()
     values = formats.e2m1_values(codes).double().unflatten(-1, (-1, FP4_GROUP[fp4]))
@@ -63,6 +63,24 @@ def test_random_rows_are_within_a_code_step_and_compile_to_the_same(output, devi
     assert torch.equal(again[0], packed) and torch.equal(again[1].view(torch.uint8), scales.view(torch.uint8))
 
 
+def test_shuffled_mxfp4_scales_are_the_rows_in_aiters_order():
+    """``scale_layout="shuffled"``: the same codes, the row-major scales shuffled and zero-padded (the
+    fused op's tensor), decoding to the same values; the same under torch.compile."""
+    y = torch.randn(37, 1024, generator=torch.Generator().manual_seed(5)).bfloat16()
+    codes, rows = tpfuse.quantize_fp4(y, "mxfp4")
+    again, shuffled = tpfuse.quantize_fp4(y, "mxfp4", scale_layout="shuffled")
+    layout = formats.empty_scales(Epilogue(fp4=FP4_MXFP4, scale_layout=SCALES_SHUFFLED), 37, 1024, "cpu")
+    assert shuffled.shape == layout.shape == (256, 32) and shuffled.dtype == layout.dtype
+    assert torch.equal(again, codes)
+    padded = torch.zeros(256, 32, dtype=torch.uint8)
+    padded[:37] = rows.view(torch.uint8)
+    assert torch.equal(shuffled.view(torch.uint8), formats.shuffle_e8m0_scales(padded))
+    assert torch.equal(_decoded(codes, shuffled, FP4_MXFP4, None, 37, 1024, SCALES_SHUFFLED),
+                       _decoded(codes, rows, FP4_MXFP4, None, 37, 1024))
+    compiled = torch.compile(lambda t: tpfuse.quantize_fp4(t, "mxfp4", scale_layout="shuffled"), fullgraph=True)
+    assert torch.equal(compiled(y)[1].view(torch.uint8), shuffled.view(torch.uint8))
+
+
 BAD = {
     "unknown output": (dict(output="int4"), "output must be one of"),
     "NVFP4 without a global scale": (dict(output="nvfp4"), "NVFP4 takes a global_scale"),
@@ -72,6 +90,8 @@ BAD = {
                              "global_scale must be a float32 tensor of one element"),
     "rows of three dimensions": (dict(output="mxfp4", y=torch.randn(2, 3, 64)), "[tokens, hidden]"),
     "integer rows": (dict(output="mxfp4", y=torch.ones(2, 64, dtype=torch.int32)), "floating-point"),
+    "unknown layout": (dict(output="mxfp4", scale_layout="tiles"), "scale_layout must be one of"),
+    "shuffled NVFP4": (dict(output="nvfp4", global_scale=torch.ones(1), scale_layout="shuffled"), "is MXFP4's"),
 }
 
 

@@ -478,6 +478,7 @@ class Fp4(NamedTuple):
     scales: Node | None  # the scales, in the fused op's layout (None: not read)
     fp4: int  # kernels.block_end.FP4_NVFP4 or FP4_MXFP4
     global_scale: Node | None  # NVFP4's
+    scale_layout: int  # MXFP4's scales: kernels.block_end.SCALES_ROWS or SCALES_SHUFFLED
     nodes: list[Node]  # the quantisation's own nodes (the op; its outputs are out and scales)
 
 
@@ -492,7 +493,10 @@ def match_fp4(y: Node) -> Fp4 | None:
     items = {u.args[1]: u for u in quant.users if u.target is operator.getitem}
     if len(items) != len(quant.users) or 0 not in items:
         return None
-    return Fp4(items[0], items.get(1), quant.args[1], quant.args[2] if len(quant.args) > 2 else None, [quant])
+    args = quant.args + (None, 0)[len(quant.args) - 2:]  # (y, fp4, global_scale, scale_layout), defaults filled
+    kw = quant.kwargs
+    return Fp4(items[0], items.get(1), args[1], kw.get("global_scale", args[2]), kw.get("scale_layout", args[3]),
+               [quant])
 
 
 def residual_problem(residual: object, add: Node, x: torch.Tensor, hidden: int) -> Reason | None:

@@ -75,7 +75,7 @@ from tpfuse.compiler.matchers import (
 )
 from tpfuse.compiler.reasons import DYNAMIC_HIDDEN, Reason, no_communicator
 from tpfuse.compiler.sizes import element_count, size_expr, static_int, token_count
-from tpfuse.kernels.block_end import FP4_NVFP4
+from tpfuse.kernels.block_end import FP4_NVFP4, SCALES_ROWS
 from tpfuse.kernels.reference import dynamic_fp8
 from tpfuse.kernels.targets import fp8_format
 
@@ -126,7 +126,7 @@ class Match:
     scales: Node | None = None  # dynamic fp8: the node of the scales
     scale_group: int = 0  # dynamic fp8: elements per scale
     ue8m0: bool = False  # dynamic fp8: scales rounded up to powers of two
-    scale_layout: int = 0  # dynamic fp8: where the scales go (kernels.block_end.SCALES_*)
+    scale_layout: int = 0  # dynamic fp8's and MXFP4's: where the scales go (kernels.block_end.SCALES_*)
     normed: Node | None = None  # a quantised site's norm result, read besides the quantisation
     fp4: int = 0  # fp4 output (kernels.block_end.FP4_*): the scales are the op's in their own layout
     global_scale: Node | None = None  # NVFP4: the global scale
@@ -292,7 +292,7 @@ class FusionPattern:
             quant = match_fp4(out)
             if quant is None:
                 return None
-            q_out, m.scales, m.fp4, m.global_scale, quant_nodes = quant
+            q_out, m.scales, m.fp4, m.global_scale, m.scale_layout, quant_nodes = quant
         if self.quant:
             # The norm's result read besides its quantisation (a normed row that also feeds something
             # else): the op writes it too, in the input's dtype (normed_copy).
@@ -438,8 +438,8 @@ class FusionPattern:
         """The unfused pattern in plain torch (functional all-reduce, HF-style norms), from ``inputs``:
         ``x`` (and ``x_other`` with two branches), ``residual``, ``weight``, and where the pattern has
         them ``x_scale``, ``bias`` (and ``bias_other``), ``sum_weight``, ``norm_bias``, ``scale`` (static
-        fp8), ``scale_group`` (dynamic fp8), ``fp4`` (``FP4_NVFP4``, the default, or ``FP4_MXFP4``) and
-        ``global_scale`` (NVFP4). Returns ``(y, h)``, or ``(y, scales, h)`` for dynamic fp8 and fp4."""
+        fp8), ``scale_group`` (dynamic fp8), ``fp4`` (``FP4_NVFP4``, the default, or ``FP4_MXFP4``),
+        ``global_scale`` (NVFP4) and ``scale_layout`` (MXFP4's, ``SCALES_ROWS`` by default). Returns ``(y, h)``, or ``(y, scales, h)`` for dynamic fp8 and fp4."""
         import torch.distributed as dist
         import torch.distributed._functional_collectives as fc
 
@@ -472,7 +472,8 @@ class FusionPattern:
             return y, scales, h
         elif self.quant == "fp4":  # tpfuse.quantize_fp4 as the op it calls
             fp4 = inputs.get("fp4", FP4_NVFP4)
-            y, scales = torch.ops.tpfuse.quantize_fp4(y, fp4, inputs["global_scale"] if fp4 == FP4_NVFP4 else None)
+            y, scales = torch.ops.tpfuse.quantize_fp4(y, fp4, inputs["global_scale"] if fp4 == FP4_NVFP4 else None,
+                                                      inputs.get("scale_layout", SCALES_ROWS))
             return y, scales, h
         return y, h
 

@@ -26,7 +26,8 @@ columns (float32 ``[T, G]`` stored column-major, T padded to 4: DeepGEMM's fp8 G
 UE8M0 exponents packed four to an int32, column-major, T padded to 4 (DeepGEMM on Blackwell). fp4 ``y``
 is two e2m1 codes a byte (the even column in the low nibble), ``[T, H / 2]`` uint8; NVFP4's e4m3 scales
 are in the 128 x 4 tiles Blackwell's FP4 GEMMs read (``formats.swizzle_block_scales``), MXFP4's e8m0
-scales row-major ``[T, H / 32]``. Every GPU converts to e2m1 and e8m0 here in integer arithmetic (the
+scales row-major ``[T, H / 32]``, or (``SCALES_SHUFFLED``) in the order AITER's MXFP4 GEMMs read them
+(``formats.shuffle_e8m0_scales``, AITER's ``e8m0_shuffle``). Every GPU converts to e2m1 and e8m0 here in integer arithmetic (the
 same code the CPU interpreter runs); Blackwell (``cvt.rn.satfinite.e2m1x2.f32``) and gfx950 have
 conversions of their own, which these kernels do not use.
 
@@ -52,8 +53,9 @@ from tpfuse.kernels import layout
 
 # How a call quantises y: the kernels' QUANT constexpr.
 QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC, QUANT_NVFP4, QUANT_MXFP4 = 0, 1, 2, 3, 4
-#: Where dynamic fp8 scales go (``Epilogue.scale_layout``): see the module's docstring.
-SCALES_ROWS, SCALES_COLUMNS, SCALES_PACKED_UE8M0 = 0, 1, 2
+#: Where dynamic fp8 scales go (``Epilogue.scale_layout``), and MXFP4's (rows or shuffled): see the
+#: module's docstring.
+SCALES_ROWS, SCALES_COLUMNS, SCALES_PACKED_UE8M0, SCALES_SHUFFLED = 0, 1, 2, 3
 #: fp4 outputs (``Epilogue.fp4``) and their elements a scale.
 FP4_NONE, FP4_NVFP4, FP4_MXFP4 = 0, 1, 2
 FP4_GROUP = {FP4_NVFP4: 16, FP4_MXFP4: 32}
@@ -102,7 +104,7 @@ class Epilogue:
         Dynamic fp8 scales rounded up to powers of two (what a UE8M0 exponent holds exactly).
     scale_layout : int
         Where dynamic fp8 scales go: ``SCALES_ROWS``, ``SCALES_COLUMNS`` or ``SCALES_PACKED_UE8M0``
-        (which rounds as ``ue8m0_scales``).
+        (which rounds as ``ue8m0_scales``); MXFP4's: ``SCALES_ROWS`` or ``SCALES_SHUFFLED``.
     fp4 : int
         ``FP4_NVFP4`` or ``FP4_MXFP4``: ``y`` as e2m1 codes with a scale a 16 (e4m3) or 32 (e8m0)
         elements, written to ``FusedCall.scales``; ``FP4_NONE``: no fp4.
@@ -191,6 +193,7 @@ class Epilogue:
                 | (layout.FLAG_UE8M0 if self.scale_group and self.pow2_scales else 0)
                 | (layout.FLAG_SCALES_COLUMNS if self.scale_layout == SCALES_COLUMNS else 0)
                 | (layout.FLAG_SCALES_PACKED if self.scale_layout == SCALES_PACKED_UE8M0 else 0)
+                | (layout.FLAG_SCALES_SHUFFLED if self.scale_layout == SCALES_SHUFFLED else 0)
                 | (layout.FLAG_NVFP4 if self.fp4 == FP4_NVFP4 else 0)
                 | (layout.FLAG_MXFP4 if self.fp4 == FP4_MXFP4 else 0))
 
@@ -232,7 +235,7 @@ class Switches(NamedTuple):
     SHARED_EXPERT: bool  # a shared expert's output is added to this rank's part
     NORMED_COPY: bool  # the norm's output also stored in x's dtype (steps.normed)
     POW2_SCALES: bool  # dynamic fp8 scales rounded up to powers of two
-    SCALE_LAYOUT: int  # SCALES_ROWS, SCALES_COLUMNS or SCALES_PACKED_UE8M0
+    SCALE_LAYOUT: int  # SCALES_ROWS, SCALES_COLUMNS, SCALES_PACKED_UE8M0 or SCALES_SHUFFLED (MXFP4)
 
 
 def _is_default(value, default) -> bool:

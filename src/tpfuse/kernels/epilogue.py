@@ -11,7 +11,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.block_end import QUANT_NVFP4, QUANT_STATIC, SCALES_PACKED_UE8M0, SCALES_ROWS
+from tpfuse.kernels.block_end import QUANT_NVFP4, QUANT_STATIC, SCALES_PACKED_UE8M0, SCALES_ROWS, SCALES_SHUFFLED
 from tpfuse.kernels.fp8 import e4m3_bits_to_fp32, fp32_to_e4m3_bits, to_fp8_bits
 from tpfuse.kernels.vendor import fp8_max
 
@@ -31,6 +31,7 @@ _QUANT_STATIC: tl.constexpr = tl.constexpr(QUANT_STATIC)
 _QUANT_NVFP4: tl.constexpr = tl.constexpr(QUANT_NVFP4)
 _SCALES_ROWS: tl.constexpr = tl.constexpr(SCALES_ROWS)
 _SCALES_PACKED: tl.constexpr = tl.constexpr(SCALES_PACKED_UE8M0)
+_SCALES_SHUFFLED: tl.constexpr = tl.constexpr(SCALES_SHUFFLED)
 
 
 @triton.jit
@@ -196,7 +197,8 @@ def _e2m1_codes(v):
 def _store_fp4(y, y_ptr, steps, row, hidden, STEPS: tl.constexpr, BLOCK_H: tl.constexpr):
     """y as e2m1 codes, two a byte, with a scale a group of SCALE_GROUP elements: NVFP4 (16, e4m3
     scales of ``amax / 6 * g``, in the 128 x 4 tiles of ``formats.swizzle_block_scales``) or MXFP4
-    (32, e8m0 scales ``2**(floor(log2(amax)) - 2)``, row-major)."""
+    (32, e8m0 scales ``2**(floor(log2(amax)) - 2)``, row-major or in ``formats.shuffle_e8m0_scales``'
+    order)."""
     GROUP: tl.constexpr = STEPS.SCALE_GROUP
     GROUPS: tl.constexpr = BLOCK_H // GROUP
     groups = tl.reshape(y, [GROUPS, GROUP])
@@ -215,7 +217,12 @@ def _store_fp4(y, y_ptr, steps, row, hidden, STEPS: tl.constexpr, BLOCK_H: tl.co
         # The scale's biased exponent: amax's less 2 (e2m1's largest is 1.5 * 2**2); 0 for amax 0.
         exponent = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 2, 0)
         factor = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**(127 - exponent), exactly
-        tl.store(steps.scales + row.to(tl.int64) * per_row + g, exponent.to(tl.uint8), mask=g < per_row)
+        if STEPS.SCALE_LAYOUT == _SCALES_SHUFFLED:  # rows by 32 (two 16s), groups by 8 (two 4s)
+            place = ((row // 32) * 32 * ((per_row + 7) // 8 * 8) + (g // 8) * 256 + (g % 4) * 64 + (row % 16) * 4
+                     + ((g % 8) // 4) * 2 + (row % 32) // 16)
+        else:
+            place = row.to(tl.int64) * per_row + g
+        tl.store(steps.scales + place.to(tl.int64), exponent.to(tl.uint8), mask=g < per_row)
     codes = tl.reshape(_e2m1_codes(groups * factor[:, None]), [BLOCK_H // 2, 2])
     low, high = tl.split(codes)
     c = tl.arange(0, BLOCK_H // 2)

@@ -13,7 +13,7 @@ The kernels' reference (``kernels.reference``) and the tests' decoders; the ops 
   global scale ``g`` (fp32, the caller's), the scales swizzled in 128 x 4 tiles
   (:func:`swizzle_block_scales`) as Blackwell's FP4 GEMMs (and vLLM's ``scaled_fp4_quant``) read them.
 - MXFP4 (OCP): e2m1 of ``y / 2**e`` with an e8m0 scale ``2**e``, ``e = floor(log2(amax)) - 2``, a 32
-  elements, row-major.
+  elements, row-major, or shuffled (:func:`shuffle_e8m0_scales`) as AITER's MXFP4 GEMMs read them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from tpfuse.kernels.block_end import (FP4_GROUP, FP4_MXFP4, FP4_NONE, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0,
-                                     SCALES_ROWS, Epilogue)
+                                     SCALES_ROWS, SCALES_SHUFFLED, Epilogue)
 
 #: The e2m1 values by code (bit 3 the sign).
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -50,6 +50,8 @@ def empty_scales(epilogue: Epilogue, n_tokens: int, hidden: int, device) -> torc
         return None
     if epilogue.fp4 == FP4_NVFP4:
         return torch.zeros((_round_up(n_tokens, 128), _round_up(groups, 4)), dtype=torch.float8_e4m3fn, device=device)
+    if epilogue.fp4 == FP4_MXFP4 and epilogue.scale_layout == SCALES_SHUFFLED:
+        return torch.zeros((_round_up(n_tokens, 256), _round_up(groups, 8)), dtype=torch.float8_e8m0fnu, device=device)
     if epilogue.fp4 == FP4_MXFP4:
         return torch.empty((n_tokens, groups), dtype=torch.float8_e8m0fnu, device=device)
     if epilogue.scale_layout == SCALES_ROWS:
@@ -63,19 +65,20 @@ def empty_scales(epilogue: Epilogue, n_tokens: int, hidden: int, device) -> torc
 def scales_by_rows(epilogue: Epilogue) -> bool:
     """Whether rows ``a:b`` of a call's scales are rows ``0:b-a`` of the same layout (a part of a call
     can write into a slice of them)."""
-    return epilogue.fp4 == FP4_MXFP4 or (epilogue.fp4 == FP4_NONE and epilogue.scale_layout == SCALES_ROWS)
+    return epilogue.fp4 != FP4_NVFP4 and epilogue.scale_layout == SCALES_ROWS
 
 
 def place_scale_rows(epilogue: Epilogue, scales: torch.Tensor, start: int, part: torch.Tensor, rows: int) -> None:
     """Put ``part`` (the scales of a call of ``rows`` rows, in their layout) at rows ``start:start + rows``
     of ``scales`` (a larger call's)."""
-    if epilogue.fp4 == FP4_NVFP4:
-        groups = _round_up(scales.shape[1], 4)
-        whole = unswizzle_block_scales(scales, scales.shape[0], groups)
-        whole[start:start + rows] = unswizzle_block_scales(part, part.shape[0], groups)[:rows]
-        scales.copy_(swizzle_block_scales(whole))
-    else:
+    tiled = _TILED.get((epilogue.fp4, epilogue.scale_layout))
+    if tiled is None:
         scales[start:start + rows].copy_(part[:rows])
+        return
+    place, by_rows = tiled
+    whole = by_rows(scales, *scales.shape)
+    whole[start:start + rows] = by_rows(part, *part.shape)[:rows]
+    scales.copy_(place(whole))
 
 
 def scales_as_float(epilogue: Epilogue, scales: torch.Tensor, n_tokens: int, hidden: int) -> torch.Tensor:
@@ -83,6 +86,8 @@ def scales_as_float(epilogue: Epilogue, scales: torch.Tensor, n_tokens: int, hid
     groups = scale_groups(epilogue, hidden)
     if epilogue.fp4 == FP4_NVFP4:
         return unswizzle_block_scales(scales, scales.shape[0], scales.shape[1])[:n_tokens, :groups].float()
+    if epilogue.fp4 == FP4_MXFP4 and epilogue.scale_layout == SCALES_SHUFFLED:
+        scales = unshuffle_e8m0_scales(scales, scales.shape[0], scales.shape[1])[:n_tokens, :groups]
     if epilogue.fp4 == FP4_MXFP4:
         return e8m0_values(scales.view(torch.uint8))
     if epilogue.scale_layout == SCALES_PACKED_UE8M0:
@@ -162,6 +167,30 @@ def unswizzle_block_scales(swizzled: torch.Tensor, m: int, g: int) -> torch.Tens
     return tiles.contiguous().reshape(m, g)
 
 
+# --- MXFP4's shuffled scales (AITER) -----------------------------------------------------------------
+
+def shuffle_e8m0_scales(scales: torch.Tensor) -> torch.Tensor:
+    """``[M, G]`` scales (M a multiple of 32, G of 8) in the order AITER's MXFP4 GEMMs read them (its
+    ``e8m0_shuffle``): rows in blocks of 32 (two halves of 16), groups in blocks of 8 (two halves of
+    4); entry (m, g) at ``(m // 32) * 32 * G + (g // 8) * 256 + (g % 4) * 64 + (m % 16) * 4 +
+    (g % 8) // 4 * 2 + (m % 32) // 16``. Returned as ``[M, G]`` in that memory order."""
+    m, g = scales.shape
+    blocks = scales.reshape(m // 32, 2, 16, g // 8, 2, 4).permute(0, 3, 5, 2, 4, 1)
+    return blocks.contiguous().reshape(m, g)
+
+
+def unshuffle_e8m0_scales(shuffled: torch.Tensor, m: int, g: int) -> torch.Tensor:
+    """The inverse of :func:`shuffle_e8m0_scales`: ``[M, G]`` scales by row and group."""
+    blocks = shuffled.reshape(m // 32, g // 8, 4, 16, 2, 2).permute(0, 5, 3, 1, 4, 2)
+    return blocks.contiguous().reshape(m, g)
+
+
+#: The scale layouts that are not rows of a call's scales, by (fp4, scale_layout): (to the layout, back
+#: to rows ``(scales, M, G)``), both of the padded ``[M, G]``.
+_TILED = {(FP4_NVFP4, SCALES_ROWS): (swizzle_block_scales, unswizzle_block_scales),
+          (FP4_MXFP4, SCALES_SHUFFLED): (shuffle_e8m0_scales, unshuffle_e8m0_scales)}
+
+
 # --- quantising a row ------------------------------------------------------------------------------
 
 def nvfp4(y: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,16 +209,23 @@ def nvfp4(y: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, to
     return codes, swizzle_block_scales(padded)
 
 
-def mxfp4(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``y`` [T, H] as MXFP4: (codes [T, H / 2] uint8, e8m0 scales [T, H / 32])."""
+def mxfp4(y: torch.Tensor, scale_layout: int = SCALES_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``y`` [T, H] as MXFP4: (codes [T, H / 2] uint8, e8m0 scales [T, H / 32], or with
+    ``SCALES_SHUFFLED`` padded to [T rounded up to 256, H / 32 rounded up to 8] and shuffled)."""
     groups = y.float().unflatten(-1, (-1, FP4_GROUP[FP4_MXFP4]))
     amax_exponent = (groups.abs().amax(-1).view(torch.int32) >> 23) & 0xFF
     exponent = (amax_exponent - 2).clamp(min=0)
     factor = ((254 - exponent) << 23).view(torch.float32)
     codes = pack_e2m1(e2m1_codes((groups * factor.unsqueeze(-1)).flatten(-2)))
-    return codes, exponent.to(torch.uint8).view(torch.float8_e8m0fnu)
+    scales = exponent.to(torch.uint8).view(torch.float8_e8m0fnu)
+    if scale_layout == SCALES_SHUFFLED:
+        padded = empty_scales(Epilogue(fp4=FP4_MXFP4, scale_layout=SCALES_SHUFFLED), *y.shape, y.device)
+        padded[:scales.shape[0], :scales.shape[1]] = scales
+        scales = shuffle_e8m0_scales(padded)
+    return codes, scales
 
 
 __all__ = ["E2M1_VALUES", "e2m1_codes", "e2m1_values", "e8m0_values", "empty_scales", "in_layout", "mxfp4",
            "nvfp4", "pack_e2m1", "place_scale_rows", "pow2_at_least", "scale_groups", "scales_as_float",
-           "scales_by_rows", "swizzle_block_scales", "ue8m0_bytes", "unswizzle_block_scales"]
+           "scales_by_rows", "shuffle_e8m0_scales", "swizzle_block_scales", "ue8m0_bytes", "unshuffle_e8m0_scales",
+           "unswizzle_block_scales"]

@@ -49,6 +49,7 @@ FLAG_MOE_FINALIZE = 8192
 FLAG_NORMED_COPY = 1 << 14
 FLAG_UE8M0, FLAG_SCALES_COLUMNS, FLAG_SCALES_PACKED = 1 << 15, 1 << 16, 1 << 17
 FLAG_NVFP4, FLAG_MXFP4 = 1 << 18, 1 << 19
+FLAG_SCALES_SHUFFLED = 1 << 21
 #: A float32 call: only the host compares such calls (the reference path); no kernel takes one.
 FLAG_FP32 = 1 << 20
 _FLAG_WORDS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYER_NORM, "LayerNorm"),
@@ -58,7 +59,8 @@ _FLAG_WORDS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYER_NO
                (FLAG_NO_NORM, "no norm"), (FLAG_MOE_FINALIZE, "MoE finalize"),
                (FLAG_NORMED_COPY, "a copy of the norm's output"), (FLAG_UE8M0, "UE8M0 scales"),
                (FLAG_SCALES_COLUMNS, "column-major scales"), (FLAG_SCALES_PACKED, "packed UE8M0 scales"),
-               (FLAG_NVFP4, "NVFP4 output"), (FLAG_MXFP4, "MXFP4 output"))
+               (FLAG_NVFP4, "NVFP4 output"), (FLAG_MXFP4, "MXFP4 output"),
+               (FLAG_SCALES_SHUFFLED, "shuffled e8m0 scales"))
 
 
 #: Words after the descriptors that nothing writes: on AMD a wait reads a row's whole block of

@@ -102,7 +102,7 @@ def add_rmsnorm_reference(
     if epilogue.fp4 == FP4_NVFP4:
         y, scales = formats.nvfp4(y, epilogue.global_scale)
     elif epilogue.fp4 == FP4_MXFP4:
-        y, scales = formats.mxfp4(y)
+        y, scales = formats.mxfp4(y, epilogue.scale_layout)
     elif epilogue.quant_scale is not None:
         fmt = fp8_format(reduced.device)
         y = (y / epilogue.quant_scale.float()).clamp(-fmt.max, fmt.max).to(fmt.dtype)

@@ -188,10 +188,17 @@ def _check_quantised_output(epilogue: Epilogue, hidden: int) -> None:
             raise ValueError("NVFP4 takes a global_scale (float32, one element); MXFP4 takes none")
     elif epilogue.global_scale is not None:
         raise ValueError("global_scale is NVFP4's: pass fp4=NVFP4 with it")
-    if epilogue.scale_layout not in (block_end.SCALES_ROWS, block_end.SCALES_COLUMNS, block_end.SCALES_PACKED_UE8M0):
-        raise ValueError(f"scale_layout must be SCALES_ROWS, SCALES_COLUMNS or SCALES_PACKED_UE8M0, got "
-                         f"{epilogue.scale_layout!r}")
-    if (epilogue.ue8m0_scales or epilogue.scale_layout != block_end.SCALES_ROWS) and epilogue.scale_group <= 0:
+    if epilogue.scale_layout not in (block_end.SCALES_ROWS, block_end.SCALES_COLUMNS, block_end.SCALES_PACKED_UE8M0,
+                                     block_end.SCALES_SHUFFLED):
+        raise ValueError(f"scale_layout must be SCALES_ROWS, SCALES_COLUMNS, SCALES_PACKED_UE8M0 or SCALES_SHUFFLED, "
+                         f"got {epilogue.scale_layout!r}")
+    if epilogue.scale_layout == block_end.SCALES_SHUFFLED:
+        if epilogue.fp4 != block_end.FP4_MXFP4:
+            raise ValueError("the shuffled scale layout (AITER's e8m0_shuffle) is MXFP4's: pass fp4=MXFP4 with it")
+    elif epilogue.fp4 != block_end.FP4_NONE and epilogue.scale_layout != block_end.SCALES_ROWS:
+        raise ValueError("fp4 scales go in their format's layout (NVFP4's swizzled tiles; MXFP4's rows, or "
+                         "shuffled): the columns and packed layouts are dynamic fp8's")
+    elif (epilogue.ue8m0_scales or epilogue.scale_layout != block_end.SCALES_ROWS) and epilogue.scale_group <= 0:
         raise ValueError("ue8m0_scales and scale_layout place dynamic fp8 scales: they need a scale_group")
     if epilogue.normed_copy and not epilogue.quantised:
         raise ValueError("normed_copy writes the norm's output beside a quantised one: y is not quantised here")
@@ -501,8 +508,8 @@ class QuantizedOutputs(NamedTuple):
     scales : Tensor or None
         Dynamic fp8's float32 [T, H / scale_group] (column-major or packed UE8M0 int32 [T, ceil(G / 4)]
         as ``scale_layout`` says), NVFP4's float8_e4m3fn [T rounded up to 128, H / 16 rounded up to 4]
-        in the 128 x 4 tiles of Blackwell's FP4 GEMMs, MXFP4's float8_e8m0fnu [T, H / 32]; None for
-        static fp8.
+        in the 128 x 4 tiles of Blackwell's FP4 GEMMs, MXFP4's float8_e8m0fnu [T, H / 32] (shuffled:
+        padded, in AITER's order); None for static fp8.
     h : Tensor [T, H]
         The new residual stream.
     normed : Tensor [T, H] or None
@@ -517,8 +524,8 @@ class QuantizedOutputs(NamedTuple):
 
 #: ``allreduce_add_rmsnorm_quant``'s ``output`` and ``scale_layout`` words.
 OUTPUTS = {"fp8": block_end.FP4_NONE, "nvfp4": block_end.FP4_NVFP4, "mxfp4": block_end.FP4_MXFP4}
-_SCALE_LAYOUTS = {"rows": block_end.SCALES_ROWS, "columns": block_end.SCALES_COLUMNS,
-                  "packed_ue8m0": block_end.SCALES_PACKED_UE8M0}
+SCALE_LAYOUTS = {"rows": block_end.SCALES_ROWS, "columns": block_end.SCALES_COLUMNS,
+                 "packed_ue8m0": block_end.SCALES_PACKED_UE8M0, "shuffled": block_end.SCALES_SHUFFLED}
 
 
 def allreduce_add_rmsnorm_quant(
@@ -554,7 +561,10 @@ def allreduce_add_rmsnorm_quant(
       Blackwell; rounds as ``ue8m0_scales``).
     - ``"nvfp4"``: e2m1 of ``y * g / s`` with ``s = e4m3(amax / 6 * g)`` a 16 elements, ``g`` the float32
       ``global_scale`` (vLLM's ``input_global_scale``, e.g. ``448 * 6 / amax(y)``).
-    - ``"mxfp4"``: e2m1 of ``y / 2**e`` with ``e = floor(log2(amax)) - 2`` a 32 elements (OCP MX).
+    - ``"mxfp4"``: e2m1 of ``y / 2**e`` with ``e = floor(log2(amax)) - 2`` a 32 elements (OCP MX); the
+      e8m0 scales ``[T, H / 32]`` row-major, or with ``scale_layout="shuffled"`` padded to
+      ``[T rounded up to 256, H / 32 rounded up to 8]`` (zeros) in the order AITER's MXFP4 GEMMs read
+      (its ``e8m0_shuffle``).
 
     ``normed_copy=True`` also returns the norm's output in x's dtype (a normed row that feeds a
     quantised GEMM and something else). The other keywords as for :func:`allreduce_add_rmsnorm`.
@@ -566,8 +576,8 @@ def allreduce_add_rmsnorm_quant(
     """
     if output not in OUTPUTS:
         raise ValueError(f"output must be one of {sorted(OUTPUTS)}, got {output!r}")
-    if scale_layout not in _SCALE_LAYOUTS:
-        raise ValueError(f"scale_layout must be one of {sorted(_SCALE_LAYOUTS)}, got {scale_layout!r}")
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {sorted(SCALE_LAYOUTS)}, got {scale_layout!r}")
     fp4 = OUTPUTS[output]
     if fp4 == block_end.FP4_NONE and quant_scale is None:
         scale_group = x.shape[-1] if scale_group is None and isinstance(x, torch.Tensor) else scale_group
@@ -578,7 +588,7 @@ def allreduce_add_rmsnorm_quant(
     epilogue = Epilogue(quant_scale=quant_scale, bias=bias, sum_weight=sum_weight, layer_norm=layer_norm,
                         norm_bias=norm_bias, scale_group=scale_group or 0, experts=_experts(x),
                         topk_weights=topk_weights, shared_expert=shared_expert, normed_copy=normed_copy,
-                        ue8m0_scales=ue8m0_scales, scale_layout=_SCALE_LAYOUTS[scale_layout], fp4=fp4,
+                        ue8m0_scales=ue8m0_scales, scale_layout=SCALE_LAYOUTS[scale_layout], fp4=fp4,
                         global_scale=global_scale)
     check_inputs(x, residual, weight, eps, epilogue)
     group_name = group_name_of(group)

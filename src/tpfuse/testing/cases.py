@@ -12,10 +12,10 @@ import torch
 
 from tpfuse.kernels import formats
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.block_end import (FP4_GROUP, FP4_MXFP4, FP4_NONE, FP4_NVFP4, SCALES_COLUMNS,
-                                      SCALES_PACKED_UE8M0, SCALES_ROWS, Epilogue)
+from tpfuse.kernels.block_end import (FP4_GROUP, FP4_MXFP4, FP4_NONE, FP4_NVFP4, Epilogue)
 from tpfuse.kernels.reference import fused_reference_float64, rank_part, unquantised
 from tpfuse.kernels.targets import E4M3FN, E4M3FNUZ, fp8_format
+from tpfuse.ops.allreduce_add_rmsnorm import SCALE_LAYOUTS
 
 # (atol, rtol) of y and h against float64, by the dtype y is stored in.
 TOLERANCE = {
@@ -28,7 +28,6 @@ TOLERANCE = {
 #: Dynamic fp8 scales against amax / fp8 max of the float64 y (the two-shot's y comes from a rounded h).
 SCALE_TOLERANCE = (0.0, 1e-2)
 FP4 = {"": FP4_NONE, "nvfp4": FP4_NVFP4, "mxfp4": FP4_MXFP4}
-SCALE_LAYOUTS = {"rows": SCALES_ROWS, "columns": SCALES_COLUMNS, "packed_ue8m0": SCALES_PACKED_UE8M0}
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,7 @@ class Case:
     shared_expert: bool = False
     # The quantised outputs the next GEMM takes (``tpfuse.allreduce_add_rmsnorm_quant``): "nvfp4" or
     # "mxfp4" y; dynamic fp8 scales as powers of two and in a layout ("rows", "columns",
-    # "packed_ue8m0"); the norm's output in x's dtype beside the quantised one.
+    # "packed_ue8m0"; MXFP4's "rows" or "shuffled"); the norm's output in x's dtype beside the quantised one.
     fp4: str = ""
     ue8m0_scales: bool = False
     scale_layout: str = "rows"
