@@ -146,7 +146,8 @@ QUANTISED = [Case(3, 4096, quant_scale=0.02, normed_copy=True, seed=31),
              Case(6, 2048, torch.float16, residual=False, scale_group=128, scale_layout="columns", seed=33),
              Case(5, 1024, scale_group=128, scale_layout="packed_ue8m0", seed=34),
              Case(4, 2880, fp4="nvfp4", normed_copy=True, seed=35),
-             Case(3, 4096, fp4="mxfp4", seed=36)]
+             Case(3, 4096, fp4="mxfp4", seed=36),
+             Case(36, 512, fp4="mxfp4", scale_layout="shuffled", seed=37)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
