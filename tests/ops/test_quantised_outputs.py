@@ -1,7 +1,8 @@
 """The quantised outputs the next GEMM takes (``tpfuse.allreduce_add_rmsnorm_quant``) against float64 on
 every rank: the norm's copy beside fp8, UE8M0 scales (as float32 powers of two, column-major, packed four
-to an int32), NVFP4 and MXFP4 (its scales row-major or shuffled as AITER's GEMMs read them); both kernels at 2 and 3 ranks, over the workspace, world size 1 (the
-local kernel), the reference path, ranks whose calls differ, bad input."""
+to an int32), NVFP4 and MXFP4 (its scales row-major or shuffled as AITER's GEMMs read them); both
+kernels at 2 and 3 ranks, over the workspace, world size 1 (the local kernel), the reference path, ranks
+whose calls differ, bad input."""
 
 import pytest
 import torch

@@ -439,7 +439,8 @@ class FusionPattern:
         ``x`` (and ``x_other`` with two branches), ``residual``, ``weight``, and where the pattern has
         them ``x_scale``, ``bias`` (and ``bias_other``), ``sum_weight``, ``norm_bias``, ``scale`` (static
         fp8), ``scale_group`` (dynamic fp8), ``fp4`` (``FP4_NVFP4``, the default, or ``FP4_MXFP4``),
-        ``global_scale`` (NVFP4) and ``scale_layout`` (MXFP4's, ``SCALES_ROWS`` by default). Returns ``(y, h)``, or ``(y, scales, h)`` for dynamic fp8 and fp4."""
+        ``global_scale`` (NVFP4) and ``scale_layout`` (MXFP4's, ``SCALES_ROWS`` by default). Returns
+        ``(y, h)``, or ``(y, scales, h)`` for dynamic fp8 and fp4."""
         import torch.distributed as dist
         import torch.distributed._functional_collectives as fc
 

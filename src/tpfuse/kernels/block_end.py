@@ -27,9 +27,10 @@ UE8M0 exponents packed four to an int32, column-major, T padded to 4 (DeepGEMM o
 is two e2m1 codes a byte (the even column in the low nibble), ``[T, H / 2]`` uint8; NVFP4's e4m3 scales
 are in the 128 x 4 tiles Blackwell's FP4 GEMMs read (``formats.swizzle_block_scales``), MXFP4's e8m0
 scales row-major ``[T, H / 32]``, or (``SCALES_SHUFFLED``) in the order AITER's MXFP4 GEMMs read them
-(``formats.shuffle_e8m0_scales``, AITER's ``e8m0_shuffle``). Every GPU converts to e2m1 and e8m0 here in integer arithmetic (the
-same code the CPU interpreter runs); Blackwell (``cvt.rn.satfinite.e2m1x2.f32``) and gfx950 have
-conversions of their own, which these kernels do not use.
+(``formats.shuffle_e8m0_scales``, AITER's ``e8m0_shuffle``). Every GPU converts to e2m1 and e8m0 here
+in integer arithmetic (the same code the CPU interpreter runs); Blackwell
+(``cvt.rn.satfinite.e2m1x2.f32``) and gfx950 have conversions of their own, which these kernels do not
+use.
 
 :class:`Epilogue` carries the optional steps; ``kernels.reference`` is the same in torch, and the
 descriptor flags (``flags``) make every rank's kernel refuse a peer whose call does something else.

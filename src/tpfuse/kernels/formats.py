@@ -84,10 +84,11 @@ def place_scale_rows(epilogue: Epilogue, scales: torch.Tensor, start: int, part:
 def scales_as_float(epilogue: Epilogue, scales: torch.Tensor, n_tokens: int, hidden: int) -> torch.Tensor:
     """A call's scales, whatever their format and layout, as float32 ``[T, groups]``."""
     groups = scale_groups(epilogue, hidden)
+    tiled = _TILED.get((epilogue.fp4, epilogue.scale_layout))
+    if tiled is not None:
+        scales = tiled[1](scales, *scales.shape)[:n_tokens, :groups]
     if epilogue.fp4 == FP4_NVFP4:
-        return unswizzle_block_scales(scales, scales.shape[0], scales.shape[1])[:n_tokens, :groups].float()
-    if epilogue.fp4 == FP4_MXFP4 and epilogue.scale_layout == SCALES_SHUFFLED:
-        scales = unshuffle_e8m0_scales(scales, scales.shape[0], scales.shape[1])[:n_tokens, :groups]
+        return scales.float()
     if epilogue.fp4 == FP4_MXFP4:
         return e8m0_values(scales.view(torch.uint8))
     if epilogue.scale_layout == SCALES_PACKED_UE8M0:
@@ -125,7 +126,8 @@ def ue8m0_bytes(scales: torch.Tensor) -> torch.Tensor:
 
 def e8m0_values(codes: torch.Tensor) -> torch.Tensor:
     """e8m0 codes (uint8) -> float32 ``2**(code - 127)`` (0xFF, NaN, is not expected)."""
-    return torch.ldexp(torch.ones(codes.shape, dtype=torch.float64, device=codes.device), codes.to(torch.int64) - 127).float()
+    ones = torch.ones(codes.shape, dtype=torch.float64, device=codes.device)
+    return torch.ldexp(ones, codes.to(torch.int64) - 127).float()
 
 
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
