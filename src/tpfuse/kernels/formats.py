@@ -99,8 +99,14 @@ def scales_as_float(epilogue: Epilogue, scales: torch.Tensor, n_tokens: int, hid
 
 
 def in_layout(epilogue: Epilogue, scales: torch.Tensor) -> torch.Tensor:
-    """Float32 scales ``[T, groups]`` (powers of two for the packed layout) in the call's layout."""
-    out = empty_scales(epilogue, scales.shape[0], scales.shape[1] * max(epilogue.scale_group, 1), scales.device)
+    """Scales ``[T, groups]`` by row (dynamic fp8's float32, powers of two for the packed layout; fp4's
+    in their format) in the call's layout."""
+    group = FP4_GROUP[epilogue.fp4] if epilogue.fp4 != FP4_NONE else max(epilogue.scale_group, 1)
+    out = empty_scales(epilogue, scales.shape[0], scales.shape[1] * group, scales.device)
+    tiled = _TILED.get((epilogue.fp4, epilogue.scale_layout))
+    if tiled is not None:  # placed in the zeroed padding, then reordered
+        out[:scales.shape[0], :scales.shape[1]] = scales
+        return tiled[0](out)
     if epilogue.scale_layout == SCALES_PACKED_UE8M0:
         exponents = ue8m0_bytes(scales).to(torch.int32)
         padded = torch.zeros((scales.shape[0], out.shape[1] * 4), dtype=torch.int32, device=scales.device)
@@ -198,17 +204,13 @@ _TILED = {(FP4_NVFP4, SCALES_ROWS): (swizzle_block_scales, unswizzle_block_scale
 def nvfp4(y: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``y`` [T, H] as NVFP4: (codes [T, H / 2] uint8, swizzled e4m3 scales), in the kernels'
     operations and order."""
-    n_tokens, hidden = y.shape
     groups = y.float().unflatten(-1, (-1, FP4_GROUP[FP4_NVFP4]))
     g = global_scale.float()
     scales = (groups.abs().amax(-1) / 6.0 * g).clamp(max=448.0).to(torch.float8_e4m3fn)
     decoded = scales.float()
     factor = torch.where(decoded > 0, g / decoded, torch.zeros_like(decoded))
     codes = pack_e2m1(e2m1_codes((groups * factor.unsqueeze(-1)).flatten(-2)))
-    padded = torch.zeros((_round_up(n_tokens, 128), _round_up(scales.shape[1], 4)), dtype=torch.float8_e4m3fn,
-                         device=y.device)
-    padded[:n_tokens, :scales.shape[1]] = scales
-    return codes, swizzle_block_scales(padded)
+    return codes, in_layout(Epilogue(fp4=FP4_NVFP4), scales)
 
 
 def mxfp4(y: torch.Tensor, scale_layout: int = SCALES_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,11 +222,7 @@ def mxfp4(y: torch.Tensor, scale_layout: int = SCALES_ROWS) -> tuple[torch.Tenso
     factor = ((254 - exponent) << 23).view(torch.float32)
     codes = pack_e2m1(e2m1_codes((groups * factor.unsqueeze(-1)).flatten(-2)))
     scales = exponent.to(torch.uint8).view(torch.float8_e8m0fnu)
-    if scale_layout == SCALES_SHUFFLED:
-        padded = empty_scales(Epilogue(fp4=FP4_MXFP4, scale_layout=SCALES_SHUFFLED), *y.shape, y.device)
-        padded[:scales.shape[0], :scales.shape[1]] = scales
-        scales = shuffle_e8m0_scales(padded)
-    return codes, scales
+    return codes, in_layout(Epilogue(fp4=FP4_MXFP4, scale_layout=scale_layout), scales)
 
 
 __all__ = ["E2M1_VALUES", "e2m1_codes", "e2m1_values", "e8m0_values", "empty_scales", "in_layout", "mxfp4",

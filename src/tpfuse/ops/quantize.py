@@ -21,7 +21,8 @@ _lib.define("quantize_fp4(Tensor y, int fp4, Tensor? global_scale, int scale_lay
 FP4_OUTPUTS = {word: fp4 for word, fp4 in OUTPUTS.items() if fp4 != block_end.FP4_NONE}
 
 
-def _check(y: torch.Tensor, fp4: int, global_scale: torch.Tensor | None, scale_layout: int) -> None:
+def _check(y: torch.Tensor, fp4: int, global_scale: torch.Tensor | None, scale_layout: int) -> block_end.Epilogue:
+    """The quantisation's block end, after the fused op's own checks of its fp4 output."""
     if not isinstance(y, torch.Tensor) or y.dim() != 2 or not y.is_floating_point():
         raise ValueError(f"y must be a floating-point [tokens, hidden] tensor, got "
                          f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}"
@@ -32,6 +33,7 @@ def _check(y: torch.Tensor, fp4: int, global_scale: torch.Tensor | None, scale_l
     # the scales' layout
     epilogue = block_end.Epilogue(fp4=fp4, global_scale=global_scale, scale_layout=scale_layout)
     check_block_end(y, y.shape, epilogue, y.device)
+    return epilogue
 
 
 def _quantize(y, fp4, global_scale, scale_layout=block_end.SCALES_ROWS):
@@ -42,10 +44,9 @@ def _quantize(y, fp4, global_scale, scale_layout=block_end.SCALES_ROWS):
 
 
 def _quantize_fake(y, fp4, global_scale, scale_layout=block_end.SCALES_ROWS):
-    _check(y, fp4, global_scale, scale_layout)
+    epilogue = _check(y, fp4, global_scale, scale_layout)
     n_tokens, hidden = y.shape
-    scales = formats.empty_scales(block_end.Epilogue(fp4=fp4, scale_layout=scale_layout), n_tokens, hidden,
-                                  y.device)
+    scales = formats.empty_scales(epilogue, n_tokens, hidden, y.device)
     return y.new_empty((n_tokens, hidden // 2), dtype=torch.uint8), scales
 
 
