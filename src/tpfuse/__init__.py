@@ -14,6 +14,7 @@ from tpfuse.compiler import compile, compile_config, explain
 from tpfuse.engines import vllm_fusion_pass
 from tpfuse.ops import (QuantizedOutputs, all_reduce, allreduce_add_rmsnorm, allreduce_add_rmsnorm_dynamic_fp8,
                         allreduce_add_rmsnorm_quant, quantize_fp4)
+from tpfuse.ops.determinism import batch_invariant, set_batch_invariant
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "allreduce_add_rmsnorm",
     "allreduce_add_rmsnorm_dynamic_fp8",
     "allreduce_add_rmsnorm_quant",
+    "batch_invariant",
     "check_errors",
     "compile",
     "compile_config",
@@ -32,6 +34,7 @@ __all__ = [
     "get_communicator",
     "quantize_fp4",
     "reset_stats",
+    "set_batch_invariant",
     "stats",
     "vllm_fusion_pass",
 ]
