@@ -6,19 +6,28 @@ from tpfuse.testing.ranks import RankPool
 _pools: dict[tuple[int, str], RankPool] = {}
 
 
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true",
+                     help="run the selected tests in reverse order (a check that no test needs another first)")
+
+
 @pytest.fixture(scope="session")
 def rank_pool(tmp_path_factory):
-    """``rank_pool(world_size, backend)``: a live pool, reused across tests, replaced after a failure."""
+    """``rank_pool(world_size, backend)``: a live pool, reused across tests, replaced after a failure.
+
+    Every task starts in a rank process reset as a new one is (``ranks.reset_rank_process``), with an
+    Inductor cache of its own: the fusion pass runs (and counts) in each task on every rank, instead
+    of a rank loading a graph that another rank, or an earlier test, cached. So a test sees the same
+    whether it runs first, after others, or in a pool that replaced one an earlier failure killed.
+    """
 
     def get(world_size: int, backend: str = "gloo") -> RankPool:
         if backend == "nccl" and torch.cuda.device_count() < world_size:
             pytest.skip(f"needs {world_size} GPUs")
         key = (world_size, backend)
         if key not in _pools or not _pools[key].alive:
-            # A fresh Inductor cache per rank: the fusion pass runs (and counts) on every rank instead of
-            # one rank loading the graph another rank just cached.
             cache = tmp_path_factory.mktemp("inductor-cache")
-            env = {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/rank{{rank}}"}
+            env = {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/rank{{rank}}/task{{task}}"}
             _pools[key] = RankPool(world_size, backend, env=env)
         return _pools[key]
 
@@ -28,9 +37,11 @@ def rank_pool(tmp_path_factory):
     _pools.clear()
 
 
-
-def pytest_collection_modifyitems(items):
-    """Two lanes: tests that start rank processes are ``slow``; ``pytest -m "not slow"`` runs the rest."""
+def pytest_collection_modifyitems(config, items):
+    """Two lanes: tests that start rank processes are ``slow``; ``pytest -m "not slow"`` runs the rest.
+    With ``--reverse``, the tests run last first."""
     for item in items:
         if "rank_pool" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+    if config.getoption("--reverse"):
+        items.reverse()

@@ -31,7 +31,6 @@ SITES = 2 * LAYERS
 
 def _llama(rank, world_size, backend, norm_style, all_reduce_style, mode=None):
     device = rank_device(backend, rank)
-    tpfuse.destroy_all()  # the limit must be 16 (SMALL / LARGE), whatever an earlier test of the pool grew
     tpfuse.get_communicator(max_tokens=16, hidden=64)
     model = Transformer.build("tiny", norm_style=norm_style, all_reduce_style=all_reduce_style, device=device,
                               n_layers=LAYERS)
@@ -99,7 +98,6 @@ def _pass_keys(rank, world_size):
         if kwargs is not None:
             tpfuse.get_communicator(hidden=64, **kwargs)
         keys[name] = FusionPass(16).uuid()
-    tpfuse.destroy_all()
     return keys
 
 
@@ -116,7 +114,6 @@ def _fused_on_a_fresh_cache(rank, world_size, backend, comm_backend):
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    tpfuse.destroy_all()
     device = rank_device(backend, rank)
     tpfuse.get_communicator(max_tokens=16, hidden=64, backend=comm_backend)
     model = Transformer.build("tiny", device=device)
@@ -127,7 +124,6 @@ def _fused_on_a_fresh_cache(rank, world_size, backend, comm_backend):
         tpfuse.reset_stats()
         compiled(ids)
     calls = fused_calls()
-    tpfuse.destroy_all()
     return _sites_fused(compiled.tpfuse_backend)[0], calls
 
 
@@ -366,7 +362,6 @@ def _examples_against_float64(rank, world_size, names):
     float64 (every rank's inputs all-reduced in float64, the norms in fp32 or wider)."""
     from tpfuse.compiler import patterns
 
-    torch._dynamo.reset()
     tpfuse.get_communicator(max_tokens=16, hidden=64)
     chosen = [patterns.PATTERNS_BY_NAME[name] for name in names]
     g = torch.Generator().manual_seed(rank)
@@ -483,7 +478,6 @@ def test_compile_modes_are_torch_compile_modes():
 
 
 def _explained(rank, world_size, kind):
-    torch._dynamo.reset()  # Site.forward was compiled by other tests of this pool: under the recompile limit
     tpfuse.get_communicator(max_tokens=16, hidden=64)
     torch.manual_seed(0)
     module = Site(kind).bfloat16()

@@ -37,7 +37,6 @@ def test_flags_above_15_bits_travel_in_the_last_word_beside_the_regions_top_bit(
 
 
 def _sent_descriptors(rank, world_size):
-    tpfuse.destroy_all()
     comm = tpfuse.get_communicator(max_tokens=16, hidden=512)
     case = Case(5, 512, torch.float16, seed=6)
     inp = case.inputs(world_size)
@@ -46,7 +45,6 @@ def _sent_descriptors(rank, world_size):
     received = workspace.descriptors()[0, 1 - rank].tolist()  # call 0's slot, from the peer
     flags = layout.FLAG_FP16 | layout.FLAG_RESIDUAL
     expected = layout.describe_call(5, 512, flags, 0, workspace.region_elems)
-    tpfuse.destroy_all()
     return {"received": received, "expected": expected}
 
 

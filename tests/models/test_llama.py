@@ -58,7 +58,6 @@ def _decode_step_code(rank, world_size, max_seq):
     model = Transformer.build("tiny", device=device, n_layers=1)
     model.setup_caches(max_batch=8, max_seq=max_seq)
     tokens = torch.randint(0, 256, (4, 1), generator=torch.Generator().manual_seed(1)).to(device)
-    torch._dynamo.reset()
     with torch.no_grad():
         step = torch.compile(model, dynamic=True)
         _, code = run_and_get_code(step, tokens, torch.tensor([10], device=device))

@@ -24,7 +24,6 @@ BACKENDS = rank_backends()
 
 def _stall(rank, world_size, backend):
     device = rank_device(backend, rank)
-    tpfuse.destroy_all()  # a fresh communicator: the message counts calls from its creation
     tpfuse.get_communicator(max_tokens=16, hidden=512, wait_timeout_s=1.0)
     case = Case(13, 512, seed=1)  # more rows than the CPU's 4 programs: each waits, none adds to the bound
     inp = case.inputs(world_size, device)
@@ -44,7 +43,6 @@ def _stall(rank, world_size, backend):
         except RuntimeError as exc:
             report["unusable after"] = str(exc)
     dist.barrier()
-    tpfuse.destroy_all()
     return report
 
 
@@ -155,7 +153,6 @@ def _recreated_after_mismatch(rank, world_size):
     case = Case(5, 512, seed=4)
     inp = case.inputs(world_size)
     result = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
-    tpfuse.destroy_all()
     return {"first error": first, "next call": refused, "after creating again": result}
 
 
@@ -174,7 +171,6 @@ def _both_empty(rank, world_size):
     case = Case(3, 512, seed=5)
     inp = case.inputs(world_size)
     after = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps)
-    tpfuse.destroy_all()
     return {"shape": tuple(y.shape), "stats": tpfuse.stats(), "next call": after}
 
 
@@ -218,7 +214,6 @@ def test_ranks_that_differ_at_set_up_are_named(rank_pool, name, tmp_path):
 
 def _edges(rank, world_size, backend, oneshot_max):
     device = rank_device(backend, rank)
-    tpfuse.destroy_all()
     tpfuse.get_communicator(max_tokens=16, hidden=512)
     big = torch.finfo(torch.bfloat16).max / 4
     xs = [
@@ -236,7 +231,6 @@ def _edges(rank, world_size, backend, oneshot_max):
     with forced_table(world_size, device, oneshot_max):
         chosen = tpfuse.get_communicator().choose_algorithm(6, 512, torch.bfloat16)
         y, h = tpfuse.allreduce_add_rmsnorm(xs[rank].to(device), residual.to(device), weight.to(device), 1e-6)
-    tpfuse.destroy_all()
     return {"chosen": chosen, "y": y.cpu(), "h": h.cpu(), "xs": xs, "residual": residual, "weight": weight}
 
 
@@ -320,7 +314,6 @@ def test_hundred_communicators_give_gpu_memory_back(rank_pool):
 def _second_thread(rank, world_size):
     import threading
 
-    tpfuse.destroy_all()
     tpfuse.get_communicator(max_tokens=16, hidden=512, wait_timeout_s=30.0)
     case = Case(5, 512, seed=3)
     inp = case.inputs(world_size, torch.device("cpu"))

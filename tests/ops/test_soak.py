@@ -62,7 +62,6 @@ def _soak(rank, world_size, seconds):
                 break
     tpfuse.check_errors()
     stats = tpfuse.stats()
-    tpfuse.destroy_all()
     return {"calls": calls, "checked": checked, "worst": worst, "stats": stats}
 
 

@@ -6,8 +6,10 @@
 
 A rank that raises makes ``run`` raise with that rank's traceback; ranks that do not answer in
 time make it raise ``TimeoutError`` naming them, and the pool's processes are killed, so a hang
-fails a test instead of stalling CI. A pool survives between runs (its ranks keep their process
-group and communicators), so tests pay process start-up once.
+fails a test instead of stalling CI. A pool survives between runs, so tests pay process start-up
+once; its ranks keep their process group, and nothing else: before every task each rank is put back
+as a fresh process finds itself (:func:`reset_rank_process`), so what a task sees never depends on
+which tasks ran before it in that pool, or on whether an earlier failure replaced the pool.
 """
 
 from __future__ import annotations
@@ -53,8 +55,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def reset_rank_process(environ: dict[str, str], task_env: dict[str, str]) -> None:
+    """Put this rank process back as it was when its process group was made, keeping only the group.
+
+    A task must not see what earlier tasks of the pool left: dynamo's compiled frames (each code object
+    takes at most ``torch._dynamo.config.recompile_limit`` compiles, after which it runs eagerly and
+    nothing fuses), tpfuse's communicators (their workspaces' mappings and limits), the routes kept for
+    them, call counts, the compiler's site reports, algorithm tables read from files, batch-invariant
+    mode and the environment. ``environ`` is the environment to restore, ``task_env`` what the task
+    adds to it.
+    """
+    import gc
+
+    import torch
+
+    import tpfuse
+    from tpfuse import select
+    from tpfuse.comm import agreement
+    from tpfuse.compiler import fusion_pass
+    from tpfuse.ops import route
+
+    torch._dynamo.reset()  # first: compiled graphs hold the communicators' tensors
+    tpfuse.destroy_all()
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(task_env)
+    tpfuse.set_batch_invariant(None)  # follow the (restored) environment, read anew
+    select.reload_tables()
+    route._routes.clear()
+    route._names.clear()
+    agreement._reference_calls.clear()
+    fusion_pass._reports.clear()
+    fusion_pass._bounds_relied_on.clear()
+    tpfuse.reset_stats()
+    gc.collect()  # a destroyed workspace's mapping goes when the last tensor over it does
+
+
 def _worker(rank: int, world_size: int, backend: str, port: int, env: dict, tasks, results) -> None:
-    os.environ.update({k: v.replace("{rank}", str(rank)) for k, v in env.items()})
+    env = {k: v.replace("{rank}", str(rank)) for k, v in env.items()}
+    os.environ.update({k: v for k, v in env.items() if "{task}" not in v})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
@@ -67,6 +106,7 @@ def _worker(rank: int, world_size: int, backend: str, port: int, env: dict, task
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=600),
                             device_id=torch.device("cuda", rank) if backend == "nccl" else None)
+    environ = dict(os.environ)
     try:
         while True:
             task = tasks.get()
@@ -74,6 +114,8 @@ def _worker(rank: int, world_size: int, backend: str, port: int, env: dict, task
                 break
             task_id, fn, args = task
             try:
+                reset_rank_process(environ, {k: v.replace("{task}", str(task_id)) for k, v in env.items()
+                                             if "{task}" in v})
                 results.put((task_id, rank, True, fn(rank, world_size, *args)))
             except BaseException:  # noqa: BLE001 - every failure goes back to the parent
                 results.put((task_id, rank, False, traceback.format_exc()))
@@ -93,7 +135,8 @@ class RankPool:
     backend : str
         "gloo" (CPU; sets ``TRITON_INTERPRET=1`` in the ranks) or "nccl" (rank r on GPU r).
     env : dict, optional
-        Extra environment for the ranks; ``{rank}`` in a value becomes the rank.
+        Extra environment for the ranks; ``{rank}`` in a value becomes the rank, ``{task}`` the number
+        of the task (a value with ``{task}`` is set for each task, as it starts).
     timeout : float
         Seconds one :meth:`run` may take before the pool is killed.
     """
