@@ -82,11 +82,13 @@ def main():
         profile("op at world size 1", op)
         with loopback_pair(1, 4096, device) as pair:
             own, peer, loopback_op = pair.own, pair.peer, pair.op
-            print(f"{host_us(own(select.ONESHOT), after=peer(select.ONESHOT)):8.2f} us  launch, one-shot, 2 ranks")
+            one_shot_us = host_us(own(select.ONESHOT), after=peer(select.ONESHOT))
+            print(f"{one_shot_us:8.2f} us  launch, one-shot, 2 ranks")
             with loopback_op(select.ONESHOT) as op2:
                 print(f"{host_us(op2, after=peer(select.ONESHOT)):8.2f} us  op, one-shot, 2 ranks")
                 profile("op, one-shot, 2 ranks (rank 1's launch after each)", op2, after=peer(select.ONESHOT))
-            profile("launch, one-shot, 2 ranks (rank 1's after each)", own(select.ONESHOT), after=peer(select.ONESHOT))
+            profile("launch, one-shot, 2 ranks (rank 1's after each)", own(select.ONESHOT),
+                    after=peer(select.ONESHOT))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ _pools: dict[tuple[int, str], RankPool] = {}
 
 def pytest_addoption(parser):
     parser.addoption("--reverse", action="store_true",
-                     help="run the selected tests in reverse order (a check that no test needs another first)")
+                     help="run the selected tests in reverse order "
+                          "(a check that no test needs another first)")
 
 
 @pytest.fixture(scope="session")

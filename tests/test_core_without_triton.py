@@ -28,7 +28,8 @@ tpfuse.get_communicator(max_tokens=8, hidden=256)
 tpfuse.reset_stats()
 results = [case.call(case.inputs(2), rank) for case in CASES]
 torch.save({"results": results, "stats": tpfuse.stats(), "usable": kernels_usable(torch.device("cpu")),
-            "triton": [name for name, m in sys.modules.items() if name.startswith("triton") and m is not None]}, out)
+            "triton": [name for name, m in sys.modules.items()
+                       if name.startswith("triton") and m is not None]}, out)
 dist.destroy_process_group()
 """
 
@@ -36,7 +37,8 @@ dist.destroy_process_group()
 def test_import_and_the_reference_path_without_triton(tmp_path):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
-    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(rank), str(port), str(tmp_path / f"{rank}.pt")],
+    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(rank), str(port),
+                               str(tmp_path / f"{rank}.pt")],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(2)]
     for process in ranks:

@@ -12,8 +12,14 @@ from tpfuse._stats import reset_stats, stats
 from tpfuse.comm import Communicator, check_errors, destroy_all, get_communicator
 from tpfuse.compiler import compile, compile_config, explain
 from tpfuse.engines import vllm_fusion_pass
-from tpfuse.ops import (QuantizedOutputs, all_reduce, allreduce_add_rmsnorm, allreduce_add_rmsnorm_dynamic_fp8,
-                        allreduce_add_rmsnorm_quant, quantize_fp4)
+from tpfuse.ops import (
+    QuantizedOutputs,
+    all_reduce,
+    allreduce_add_rmsnorm,
+    allreduce_add_rmsnorm_dynamic_fp8,
+    allreduce_add_rmsnorm_quant,
+    quantize_fp4,
+)
 from tpfuse.ops.determinism import batch_invariant, set_batch_invariant
 
 __version__ = "0.1.0"

@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     from tpfuse.bench.kernel import run_kernel_bench
 
     providers = args.providers or "tpfuse,nccl,symm_mem,flashinfer,floor,launch"
-    return run_kernel_bench(_ints(args.hidden or "4096,7168,8192"), _ints(args.tokens or POWERS_OF_TWO_TO_8192),
+    return run_kernel_bench(_ints(args.hidden or "4096,7168,8192"),
+                            _ints(args.tokens or POWERS_OF_TWO_TO_8192),
                             providers.split(","), args.out,
                             tuple(args.epilogue.split(",")))
 

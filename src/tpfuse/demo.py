@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from tpfuse.testing import fused_calls
-from tpfuse.testing.ranks import RankPool, rank_device
 from tpfuse.testing.cases import Case, check_results
+from tpfuse.testing.ranks import RankPool, rank_device
 
 DEMO_CASES = [
     Case(1, 4096, torch.bfloat16, seed=1),

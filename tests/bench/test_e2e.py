@@ -8,7 +8,8 @@ from tpfuse.bench.e2e import KERNEL_FAMILIES, E2ERun, e2e_rank, kernel_family
 def _tiny_e2e(rank, world_size):
     import torch
 
-    run = E2ERun(rank, [2], 6, ["unfused", "tpfuse", "flashinfer"], torch.device("cpu"), iters=1, profile_steps=1)
+    run = E2ERun(rank, [2], 6, ["unfused", "tpfuse", "flashinfer"], torch.device("cpu"),
+                 iters=1, profile_steps=1)
     return e2e_rank(run, "tiny", 2)  # 2 layers: the MLP's all-reduce feeds the next layer's norm
 
 

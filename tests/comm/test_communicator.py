@@ -12,8 +12,8 @@ import torch.distributed as dist
 import tpfuse
 from tpfuse.comm import workspace as ws
 from tpfuse.comm.communicator import lookup_communicator
-from tpfuse.testing.ranks import rank_backends
 from tpfuse.testing.cases import Case, check_results
+from tpfuse.testing.ranks import rank_backends
 
 BACKENDS = rank_backends()
 
@@ -46,7 +46,8 @@ def _lifecycle(rank, world_size):
     except RuntimeError as exc:
         report["destroyed raises when used"] = "destroyed" in str(exc)
     fresh = tpfuse.get_communicator(g1)
-    report["fresh after destroy"] = fresh is not c1 and not fresh.destroyed and fresh.fused_backend is not None
+    report["fresh after destroy"] = (fresh is not c1 and not fresh.destroyed
+                                     and fresh.fused_backend is not None)
     tpfuse.destroy_all()
     report["destroy_all"] = all(c.destroyed for c in (a, c2, fresh))
     dist.barrier()
@@ -157,7 +158,8 @@ def _kept_for_graphs(rank, world_size):
     report = {}
     case = Case(3, 64)
     inputs = case.inputs(world_size)
-    plain, captured = (tpfuse.get_communicator(dist.new_group(list(range(world_size))), max_tokens=4, hidden=64)
+    plain, captured = (tpfuse.get_communicator(dist.new_group(list(range(world_size))), max_tokens=4,
+                                               hidden=64)
                        for _ in range(2))
 
     def call(comm, capturing: bool):

@@ -1,4 +1,5 @@
-"""A group whose ranks cannot map each other's memory (ranks on different hosts) runs on the reference path."""
+"""A group whose ranks cannot map each other's memory (ranks on different hosts) runs on the reference
+path."""
 
 import logging
 
@@ -35,7 +36,8 @@ def _on_hosts(rank, world_size, hosts):
 
 
 # (One host: every other test of the triton backend.)
-@pytest.mark.parametrize("world_size, hosts", [(2, ["node-a", "node-b"]), (3, ["node-a", "node-a", "node-b"])])
+@pytest.mark.parametrize("world_size, hosts",
+                         [(2, ["node-a", "node-b"]), (3, ["node-a", "node-a", "node-b"])])
 def test_ranks_on_different_hosts_take_the_reference_path(rank_pool, world_size, hosts):
     results = rank_pool(world_size).run(_on_hosts, hosts)
     case = Case(5, 512, torch.bfloat16, seed=11)

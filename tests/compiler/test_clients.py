@@ -43,7 +43,8 @@ def _check_model(model, make_input, shapes):
         expected, got = (getattr(t, "logits", t).float() for t in (expected, got))
         assert got.shape == expected.shape
         difference = ((got - expected).abs().max() / expected.abs().max()).item()
-        runs.append(((batch, seq), difference, fused_calls(backends=("triton",)), _group_all_reduces(profile)))
+        runs.append(((batch, seq), difference, fused_calls(backends=("triton",)),
+                     _group_all_reduces(profile)))
     reports = compiled.tpfuse_backend.reports
     return runs, dict(compiled.tpfuse_backend.compiles), [[str(s) for s in graph] for graph in reports]
 
@@ -69,7 +70,8 @@ def _assert_fused(results, sites, calls_per_run=None, patterns=None, tolerance=2
         assert compiles == {"fused": 1, "plain": 1}, compiles  # one graph per range, batch and seq dynamic
         assert len(reports) == 1 and len(reports[0]) == sites, reports
         on_plain = [line for line in reports[0] if line.endswith("runs on tpfuse's plain all-reduce")]
-        assert len(on_plain) == plain and all(": fused (" in line for line in reports[0] if line not in on_plain), \
+        assert len(on_plain) == plain and all(": fused (" in line for line in reports[0]
+                                              if line not in on_plain), \
             reports
         if patterns is not None:  # a tuple: any of these patterns
             found = [line.split("fused (")[1].rstrip(")") for line in reports[0] if ": fused (" in line]
@@ -130,14 +132,16 @@ def _hf_model(rank, world_size, path):
 
 
 # Mistral's modeling is Llama's: CI runs it in the extended lane.
-@pytest.mark.parametrize("arch", ["Llama"] + [pytest.param(arch, marks=pytest.mark.extended) for arch in ("Qwen3", "Mistral")])
+@pytest.mark.parametrize("arch", ["Llama"]
+                         + [pytest.param(arch, marks=pytest.mark.extended) for arch in ("Qwen3", "Mistral")])
 def test_hugging_face_tp_plan_auto(rank_pool, tmp_path, arch):
     pool = rank_pool(2)
     pool.run(_save_hf_model, arch, str(tmp_path))
     # Two layers: the attention and MLP all-reduces of each, the last one into the final norm. Transformers
     # 5.24 has one more, straight into the first layer's norm (no residual yet: AllReduceRMSNorm); seen
     # 2026-12-02 on 2 CPU ranks, every site fused (scripts/setup_venv.sh newest-transformers).
-    _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900), sites=5 if _transformers_at_least(5, 24) else 4)
+    _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900),
+                  sites=5 if _transformers_at_least(5, 24) else 4)
 
 
 def _transformers_at_least(major: int, minor: int) -> bool:
@@ -199,8 +203,8 @@ MORE_FAMILIES = {
 }
 # From transformers 5.24 these plans split the embedding too: one more all-reduce, straight into the first
 # layer's norm (as Llama's, above), which fuses as well.
-EMBEDDING_SITE_FROM_5_24 = {"Mixtral", "Qwen3Moe", "Qwen2Moe", "Qwen2", "Olmo2", "Olmo3", "Exaone4", "Glm", "Glm4",
-                            "Phi3", "Apertus"}
+EMBEDDING_SITE_FROM_5_24 = {"Mixtral", "Qwen3Moe", "Qwen2Moe", "Qwen2", "Olmo2", "Olmo3", "Exaone4", "Glm",
+                            "Glm4", "Phi3", "Apertus"}
 # And of the families above, by the pattern that fuses it (seen 2026-12-04, 2 CPU ranks, every site fused;
 # Gemma 2, Cohere and StarCoder 2 split it before).
 FAMILIES_EMBEDDING_FROM_5_24 = {"Llama4": "AllReduceRMSNorm", "DeepseekV3": "AllReduceRMSNorm",
@@ -212,7 +216,8 @@ FAMILIES_EMBEDDING_FROM_5_24 = {"Llama4": "AllReduceRMSNorm", "DeepseekV3": "All
 # with both terms as the residual (2026-12-04). All-reduces no block end takes in: OLMo 2/3's and EXAONE 4's
 # first, read by reshapes and an add before the post-norm. They run on tpfuse's plain all-reduce (a kernel
 # call each, as a fused site's).
-PLAIN_FROM_5_24 = {"Qwen2Moe": (2, 0), "Olmo2": (0, 1), "Olmo3": (0, 1), "Exaone4": (0, 1)}  # (new sites, plain)
+# (new sites, plain)
+PLAIN_FROM_5_24 = {"Qwen2Moe": (2, 0), "Olmo2": (0, 1), "Olmo3": (0, 1), "Exaone4": (0, 1)}
 
 
 @pytest.mark.families

@@ -136,7 +136,8 @@ def _generate_paths(rank, world_size, path, paths):
         calls = fused_calls(backends=("triton",))
         parted = None
         if not torch.equal(got, expected):  # where they part, was eager's choice a near-tie?
-            step = next(i for i in range(NEW_TOKENS) if not torch.equal(got[:, PROMPT + i], expected[:, PROMPT + i]))
+            step = next(i for i in range(NEW_TOKENS)
+                        if not torch.equal(got[:, PROMPT + i], expected[:, PROMPT + i]))
             first, second = expected_logits[:, step].topk(2, -1).values.unbind(-1)
             noise = (logits[:, step] - expected_logits[:, step]).abs().max().item()
             parted = is_near_tie((first - second).min().item(), noise, expected_logits.abs().max().item())
@@ -208,5 +209,6 @@ def test_gpt_fast_compiled_decode_one_token_fuses_every_site(rank_pool):
     tokens, calls, reports = per_rank[0]
     assert all(r[0]["compiled"] == tokens["compiled"] for r in per_rank)
     assert tokens["compiled"] == tokens["eager"], tokens
-    assert len(reports) == 1 and len(reports[0]) == SITES and all(": fused (" in s for s in reports[0]), reports
+    assert len(reports) == 1 and len(reports[0]) == SITES and all(": fused (" in s
+                                                                  for s in reports[0]), reports
     assert all(c == SITES for r in per_rank for c in r[1]), [r[1] for r in per_rank]  # every decode step

@@ -129,7 +129,8 @@ def _fused_on_a_fresh_cache(rank, world_size, backend, comm_backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 # triton: extended in CI (its 10 minutes); the other sites fused in CI are triton's
-@pytest.mark.parametrize("comm_backend", [pytest.param("triton", marks=pytest.mark.extended), "flashinfer", "reference"])
+@pytest.mark.parametrize("comm_backend",
+                         [pytest.param("triton", marks=pytest.mark.extended), "flashinfer", "reference"])
 def test_each_communicator_backend_fuses_on_an_empty_cache(rank_pool, backend, comm_backend):
     if comm_backend == "flashinfer":
         from tpfuse.comm.flashinfer import load_flashinfer
@@ -160,7 +161,8 @@ class Site(nn.Module):
 
     def forward(self, x, residual):
         partial = self.proj(x)
-        if self.kind == "moe":  # 2 experts a token (the same projection, scaled apart), weighted, + a shared part
+        # 2 experts a token (the same projection, scaled apart), weighted, + a shared part
+        if self.kind == "moe":
             outputs = torch.stack([partial, 0.5 * partial], dim=1).reshape(-1, partial.shape[-1])
             weights = torch.linspace(0.2, 0.8, 2 * x.shape[0]).reshape(-1, 2)
             routed = (outputs * weights.reshape(-1).unsqueeze(-1)).view(x.shape[0], 2, -1).sum(dim=1)
@@ -168,7 +170,8 @@ class Site(nn.Module):
         op = "max" if self.kind == "max_all_reduce" else "sum"
         a = funcol.all_reduce(partial, op, dist.group.WORLD)
         if self.kind == "gated_shared":  # Qwen2-MoE: routed + sigmoid(gate(input)) * shared, each all-reduced
-            gate = torch.sigmoid(residual @ self.gate_weight.to(residual.dtype))  # [T, 1], the same on every rank
+            # [T, 1], the same on every rank
+            gate = torch.sigmoid(residual @ self.gate_weight.to(residual.dtype))
             a = a + gate * funcol.all_reduce(torch.tanh(partial), "sum", dist.group.WORLD)
         if self.kind == "no_residual":
             return (self.norm(a),)
@@ -234,10 +237,12 @@ def _site(rank, world_size, kind, dtype):
     ("ue8m0_and_copy", torch.bfloat16, 1, "fused 1 of 1"),  # allreduce_add_rmsnorm_quant's outputs
     ("gated_shared", torch.bfloat16, 2, "fused 2 of 2"),  # two all-reduces, one gated: one fused call
     # The reasons of sites left alone are the fast lane's (test_patterns_fast.py): these in the extended lane.
-    pytest.param("op_between", torch.bfloat16, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x "
+    pytest.param("op_between", torch.bfloat16, 0,
+                 "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x "
                                       "no norm follows the all-reduce as a pattern has it (RMSNorm or "
                                       "LayerNorm, after a residual add, a bias or a post-norm: "
-                                      "tpfuse.compiler.PATTERNS); its result goes to tanh", marks=pytest.mark.extended),
+                                      "tpfuse.compiler.PATTERNS); its result goes to tanh",
+                                      marks=pytest.mark.extended),
     pytest.param("max_all_reduce", torch.bfloat16, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not "
                  "fused: 1 x all-reduce op is 'max'", marks=pytest.mark.extended),
     pytest.param("plain", torch.float32, 0, "WARNING: tpfuse: fused 0 of 1 all-reduce sites; not fused: 1 x "
@@ -254,7 +259,8 @@ def test_sites_fuse_only_when_they_may_and_stay_right(rank_pool, kind, dtype, fu
         if logged:
             assert any(logged in m for m in messages), messages
         # Sites the backend already knows to be ineligible (max, fp32) get no fused graph at all.
-        assert fused_sites == fused and unfused_sites <= (0 if fused else 1), (fused_sites, unfused_sites, kernel_calls)
+        assert fused_sites == fused and unfused_sites <= (0 if fused else 1), (fused_sites, unfused_sites,
+                                                                               kernel_calls)
         assert kernel_calls == (1 if kind == "gated_shared" else fused)
         if kind == "ue8m0_and_copy":  # fp8 against fp8 in each group's own scale (the unfused y was rounded
             # to bf16 first, which can move a code): compare what the codes stand for
@@ -354,7 +360,8 @@ def _example_params() -> dict:
         return (centre + 0.5 * torch.randn(64, generator=torch.Generator().manual_seed(seed))).bfloat16()
 
     return dict(weight=row(1, 1.0), sum_weight=row(2), norm_bias=row(3), bias=row(4), bias_other=row(5),
-                scale=torch.tensor([0.05]), x_scale=torch.tensor(8.0).bfloat16(), global_scale=torch.tensor([300.0]))
+                scale=torch.tensor([0.05]), x_scale=torch.tensor(8.0).bfloat16(),
+                global_scale=torch.tensor([300.0]))
 
 
 def _examples_against_float64(rank, world_size, names):
@@ -374,7 +381,8 @@ def _examples_against_float64(rank, world_size, names):
         tpfuse.reset_stats()
         got = compiled(x, x_other, residual)
         calls = tpfuse.stats().get("triton.oneshot", 0)
-        wide = {k: v.double() if v.is_floating_point() and k != "global_scale" else v for k, v in params.items()}
+        wide = {k: v.double() if v.is_floating_point() and k != "global_scale" else v
+                for k, v in params.items()}
         expected = _Examples(chosen, wide).double()(x.double(), x_other.double(), residual.double())
     reports = [str(s) for graph in compiled.tpfuse_backend.reports for s in graph]
     return got, expected, calls, reports
@@ -407,7 +415,8 @@ def check_examples_against_float64(rank_pool, names):
         assert sorted(r.split(": ", 1)[1] for r in reports) == sorted(sites), reports
         assert calls == len(names)
         for i, (name, g, e) in enumerate(zip(names, got, expected)):
-            assert [t.dtype for t in g] == [t.dtype if t.dtype != torch.float64 else torch.bfloat16 for t in e]
+            assert [t.dtype for t in g] == [t.dtype if t.dtype != torch.float64 else torch.bfloat16
+                                            for t in e]
             (y, h), (y64, h64) = (_dequantized(t, _scale_group(i), _fp4(i)) for t in (g, e))
             torch.testing.assert_close(h.double(), h64.double(), atol=2e-2, rtol=1e-2, msg=name)
             if g[0].dtype == torch.uint8:  # fp4: both sides quantised, the same codes but near a tie
@@ -433,7 +442,8 @@ def check_examples_against_float64(rank_pool, names):
 
 
 # The combinations the issue found fusing in part, and the common ones: in CI.
-CI_COMBINATIONS = ["AllReduceAddRMSNorm", "AllReduceBiasAddRMSNormQuant", "TwoAllReducesAddRMSNormDynamicQuant",
+CI_COMBINATIONS = ["AllReduceAddRMSNorm", "AllReduceBiasAddRMSNormQuant",
+                   "TwoAllReducesAddRMSNormDynamicQuant",
                    "AllReducePostNormAddRMSNormQuant", "AllReduceBiasAddLayerNormDynamicQuant",
                    "TwoAllReducesBiasAddLayerNorm", "AllReduceAddRMSNormFp4Quant", "AllReduceScaledRMSNorm"]
 # (the fp4 site NVFP4: its global scale and swizzled scales through the replacement. An MXFP4 site of two
@@ -447,7 +457,8 @@ def test_block_ends_match_float64(rank_pool):
     check_examples_against_float64(rank_pool, CI_COMBINATIONS)
 
 
-# Every combination, 32 a compiled graph (all 144 of that time in one graph took over 900 s to compile and run here).
+# Every combination, 32 a compiled graph (all 144 of that time in one graph took over 900 s to compile
+# and run here).
 COMBINATION_CHUNKS = 6
 
 

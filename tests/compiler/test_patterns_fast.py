@@ -177,8 +177,10 @@ def test_every_combination_of_steps_is_a_pattern_named_from_its_steps():
     assert len(names) == len(set(names)) == len(combinations())
     assert [p.length for p in PATTERNS] == sorted((p.length for p in PATTERNS), reverse=True)
     # The names the README, the clients' tests and users' reports use stay what they were.
-    for name in ("AllReduceRMSNorm", "AllReduceAddRMSNorm", "AllReduceRMSNormQuant", "AllReduceAddRMSNormQuant",
-                 "AllReduceAddRMSNormDynamicQuant", "AllReduceRMSNormDynamicQuant", "AllReducePostNormAddRMSNorm",
+    for name in ("AllReduceRMSNorm", "AllReduceAddRMSNorm", "AllReduceRMSNormQuant",
+                 "AllReduceAddRMSNormQuant",
+                 "AllReduceAddRMSNormDynamicQuant", "AllReduceRMSNormDynamicQuant",
+                 "AllReducePostNormAddRMSNorm",
                  "AllReduceScaledRMSNorm", "AllReduceScaledAddRMSNorm", "AllReduceBiasAddRMSNorm",
                  "AllReduceLayerNorm", "AllReduceAddLayerNorm", "AllReduceBiasAddLayerNorm",
                  "TwoAllReducesBiasAddLayerNorm", "TwoAllReducesAddLayerNorm", "TwoAllReducesAddRMSNorm"):
@@ -206,13 +208,15 @@ def _fuse_whole(patterns, trace=post_grad_pass_without_dynamo) -> None:
     assert leftovers(graph) == []
     # Each op does its own pattern's steps (site i reads x[i]), passed by keyword.
     for node in fused:
-        [index] = {a.args[2] for a in _ancestors([node]) if a.op == "call_function" and a.target == aten.select.int}
+        [index] = {a.args[2] for a in _ancestors([node]) if a.op == "call_function"
+                   and a.target == aten.select.int}
         pattern, steps = patterns[index], node.kwargs
         quant = ("dynamic" if node.target == FUSED_OPS[1] else "fp4" if steps.get("fp4") else
                  "static" if steps.get("quant_scale") is not None else None)
         if quant == "fp4":  # NVFP4 with the model's global scale, MXFP4 without
             assert steps["fp4"] == (FP4_NVFP4, FP4_MXFP4)[index % 2], (pattern.name, steps)
-            assert (steps.get("global_scale") is not None) == (steps["fp4"] == FP4_NVFP4), (pattern.name, steps)
+            assert (steps.get("global_scale") is not None) == (steps["fp4"] == FP4_NVFP4), (pattern.name,
+                                                                                            steps)
             assert steps.get("scale_layout", SCALES_ROWS) == _mxfp4_layout(index), (pattern.name, steps)
         does = (steps.get("bias") is not None, steps.get("sum_weight") is not None, node.args[1] is not None,
                 steps.get("layer_norm", False), steps.get("norm_bias") is not None, quant,
@@ -311,7 +315,8 @@ class Fp32NormThenFp8(nn.Module):
         h = funcol.all_reduce(x, "sum", dist.group.WORLD) + residual
         c = h.float()
         if self.layer_norm:
-            y = torch.nn.functional.layer_norm(c, (HIDDEN,), self.weight.float(), self.norm_bias.float(), 1e-6)
+            y = torch.nn.functional.layer_norm(c, (HIDDEN,), self.weight.float(), self.norm_bias.float(),
+                                               1e-6)
         else:  # Gemma's: the weight (1 + w) applied in fp32
             y = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + self.weight.float())
         if self.quant == "dynamic":
@@ -326,7 +331,8 @@ class Fp32NormThenFp8(nn.Module):
 def test_fp8_reads_the_norms_fp32_result_directly(layer_norm, quant):
     x, residual = torch.randn(TOKENS, HIDDEN).bfloat16(), torch.randn(TOKENS, HIDDEN).bfloat16()
     fusion_pass = FusionPass(fusion_limit=16)
-    graph = post_grad_pass_without_dynamo(Fp32NormThenFp8(layer_norm, quant), x, residual, fusion_pass=fusion_pass)
+    graph = post_grad_pass_without_dynamo(Fp32NormThenFp8(layer_norm, quant), x, residual,
+                                          fusion_pass=fusion_pass)
     [[site]] = fusion_pass.reports
     norm = "LayerNorm" if layer_norm else "RMSNorm"
     assert site.pattern == f"AllReduceAdd{norm}{'DynamicQuant' if quant == 'dynamic' else 'Quant'}", str(site)
@@ -370,7 +376,8 @@ def test_a_moe_finalize_fuses_into_the_op(form):
     [[site]] = fusion_pass.reports
     assert site.fused, str(site)
     [op] = [n for n in graph.nodes if n.target in FUSED_OPS]
-    assert tuple(op.args[0].meta["val"].shape) == (TOKENS, EXPERTS, HIDDEN) and op.kwargs["experts"] == EXPERTS
+    assert tuple(op.args[0].meta["val"].shape) == (TOKENS, EXPERTS,
+                                                   HIDDEN) and op.kwargs["experts"] == EXPERTS
     assert (op.kwargs.get("topk_weights") is not None) is (form != "unweighted")
     assert (op.kwargs.get("shared_expert") is not None) is (form != "routed only")
     before = {n.target for n in _ancestors([op]) if n.op == "call_function"}
@@ -406,7 +413,8 @@ class NormQuantisedAndRead(nn.Module):
         return outputs + ((y,) if self.copy else ())
 
 
-@pytest.mark.parametrize("quant, ue8m0, copy", [("static", "", True), ("dynamic", "", True), ("dynamic", "pow", False),
+@pytest.mark.parametrize("quant, ue8m0, copy",
+                         [("static", "", True), ("dynamic", "", True), ("dynamic", "pow", False),
                                                 ("dynamic", "exp2", True)])
 def test_the_norms_copy_and_ue8m0_scales_fuse_into_the_op(quant, ue8m0, copy):
     x, residual = torch.randn(TOKENS, HIDDEN).bfloat16(), torch.randn(TOKENS, HIDDEN).bfloat16()
@@ -414,7 +422,8 @@ def test_the_norms_copy_and_ue8m0_scales_fuse_into_the_op(quant, ue8m0, copy):
     graph = post_grad_pass_without_dynamo(NormQuantisedAndRead(quant, ue8m0, copy).bfloat16(), x, residual,
                                           fusion_pass=fusion_pass)
     [[site]] = fusion_pass.reports
-    assert site.pattern == f"AllReduceAddRMSNorm{'DynamicQuant' if quant == 'dynamic' else 'Quant'}", str(site)
+    quantised = "DynamicQuant" if quant == "dynamic" else "Quant"
+    assert site.pattern == f"AllReduceAddRMSNorm{quantised}", str(site)
     assert leftovers(graph) == []
     [op] = [n for n in graph.nodes if n.op == "call_function" and n.target in FUSED_OPS]
     assert op.target == torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default
@@ -456,7 +465,8 @@ def test_a_gated_second_all_reduce_goes_into_the_op(own_gate):
     if own_gate:
         assert [(s.pattern, s.plain) for s in sites] == [("AllReduceAddRMSNorm", False), (None, True)], sites
         [op] = ops
-        assert "shared_expert" not in op.kwargs and op.args[1].target is aten.add.Tensor  # gate * b + residual
+        # gate * b + residual
+        assert "shared_expert" not in op.kwargs and op.args[1].target is aten.add.Tensor
         return
     assert [s.pattern for s in sites] == ["TwoAllReducesAddRMSNorm"] * 2, [str(s) for s in sites]
     [op] = ops

@@ -20,7 +20,8 @@ def test_a_reason_is_its_sentence_with_a_known_code():
 
 
 def test_an_unfused_report_needs_a_coded_reason():
-    report = SiteReport((4, 64), torch.bfloat16, "0", False, reason=Reason("dtype", "64 x float32 is not supported"))
+    report = SiteReport((4, 64), torch.bfloat16, "0", False,
+                        reason=Reason("dtype", "64 x float32 is not supported"))
     assert report.code == "dtype"
     assert SiteReport((4, 64), torch.bfloat16, "0", True, "AllReduceAddRMSNorm").code is None
     with pytest.raises(TypeError, match="must be a compiler.reasons.Reason"):

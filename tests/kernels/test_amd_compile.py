@@ -38,7 +38,8 @@ _VECTOR_LOAD = re.compile(r"^\s*(?:global|buffer|flat)_load_\w+")
 _BYPASS = re.compile(r"\bsc0 sc1\b")
 _STORE = re.compile(r"^\s*(?:global|buffer|flat)_store_\w+")
 _ATOMIC = re.compile(r"^\s*(?:global|buffer|flat)_atomic_\w+")
-_NARROW = re.compile(r"^\s*(?:global|buffer|flat)_(?:load_ushort|load_sshort|load_short_d16\w*|store_short\w*)\b")
+_NARROW = re.compile(r"^\s*(?:global|buffer|flat)_"
+                     r"(?:load_ushort|load_sshort|load_short_d16\w*|store_short\w*)\b")
 
 
 def _instructions(asm: str) -> list[str]:
@@ -229,7 +230,8 @@ def check_amdgcn(asm: str) -> dict:
     written_through = sum(1 for line in lines if _STORE.match(line) and _BYPASS.search(line))
     return {"wait_loops": reading, "written_through": written_through,
             "narrow": sum(1 for line in lines if _NARROW.match(line)),
-            "wide": sum(1 for line in lines if re.match(r"^\s*(?:global|buffer)_(?:load|store)_dwordx4", line)),
+            "wide": sum(1 for line in lines
+                        if re.match(r"^\s*(?:global|buffer)_(?:load|store)_dwordx4", line)),
             "problems": problems}
 
 
@@ -267,7 +269,8 @@ def _compile_for(arch: str) -> None:
 
     target = GPUTarget("hip", arch, 64)
     for poll, kernel in _poll_kernels().items():
-        compiled = triton.compile(ASTSource(kernel, {"flag_ptr": "*i32", "deadline": "i64"}, {}), target=target,
+        compiled = triton.compile(ASTSource(kernel, {"flag_ptr": "*i32", "deadline": "i64"}, {}),
+                                  target=target,
                                   options={"num_warps": 1})
         print(json.dumps(dict(check_amdgcn(compiled.asm["amdgcn"]), poll=poll)), flush=True)
     for name, world, dtype, constexprs in SHAPES:
@@ -308,7 +311,8 @@ def test_kernels_compile_for_amd_under_its_memory_rules(compiles, arch):
         bad += [f"{what}: {p}" for p in r["problems"]]
         peers = r["world"] - 1
         if r["wait_loops"] < 2 * peers:  # each peer's descriptor, and its rows
-            bad.append(f"{what}: {r['wait_loops']} wait loops that read memory, expected at least {2 * peers}")
+            bad.append(f"{what}: {r['wait_loops']} wait loops that read memory, "
+                       f"expected at least {2 * peers}")
         if r["written_through"] < 2:  # pushes to peers, clears of our own slot
             bad.append(f"{what}: {r['written_through']} written-through stores")
         # Rows move 16 bytes an access; the descriptor's 8 words (a thread a word) do not: its send,

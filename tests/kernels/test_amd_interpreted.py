@@ -11,8 +11,8 @@ import torch
 
 import tpfuse
 from tpfuse.testing import forced_table
-from tpfuse.testing.ranks import RankPool
 from tpfuse.testing.cases import Case, check_results
+from tpfuse.testing.ranks import RankPool
 
 pytestmark = pytest.mark.slow  # starts rank processes
 
@@ -71,7 +71,8 @@ def test_kernels_with_amd_choices_match_float64_and_float8_e4m3fnuz(amd_pool, mo
             # Where float64 says y / scale is past 240, the kernel's code is torch's 240, exactly.
             inputs = case.inputs(world)
             y_ref = sum(x.double() for x in inputs["xs"]) + inputs["residual"].double()
-            y_ref = y_ref * torch.rsqrt(y_ref.pow(2).mean(-1, keepdim=True) + case.eps) * inputs["weight"].double()
+            y_ref = y_ref * torch.rsqrt(y_ref.pow(2).mean(-1, keepdim=True)
+                                        + case.eps) * inputs["weight"].double()
             far = (y_ref / case.quant_scale).abs() > 250
             assert far.any()
             expected = (y_ref[far] / case.quant_scale).clamp(-240, 240).to(torch.float8_e4m3fnuz)

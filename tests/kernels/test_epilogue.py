@@ -5,8 +5,8 @@ import torch
 
 import tpfuse
 from tpfuse.testing import forced_table
-from tpfuse.testing.ranks import rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
+from tpfuse.testing.ranks import rank_backends, rank_device
 
 BACKENDS = rank_backends()
 HIDDENS = (512, 640, 2880)
@@ -41,7 +41,8 @@ def _calls(rank, world_size, backend, cases, oneshot_max):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-# 3 ranks: extended in CI (its 10 minutes; the two-shot in groups of rows and the AMD test keep 3 ranks there).
+# 3 ranks: extended in CI (its 10 minutes; the two-shot in groups of rows and the AMD test keep 3
+# ranks there).
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.extended)])
 @pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
 def test_every_step_in_both_kernels(rank_pool, backend, world_size, algorithm):
@@ -106,7 +107,8 @@ def test_the_kernels_take_the_block_end_as_two_values():
                    _twoshot_allreduce_add_rmsnorm_kernel):
         names = kernel.arg_names
         assert "steps" in names and "STEPS" in names, kernel
-        named = [n for n in names if n.removesuffix("_ptr") in {f.name for f in fields} | {"scale", "scales", "normed"}
+        named = [n for n in names if n.removesuffix("_ptr") in {f.name for f in fields}
+                 | {"scale", "scales", "normed"}
                  or n in Switches._fields]
         assert not named, (kernel, named)
 
@@ -116,7 +118,8 @@ def test_the_kernels_take_the_block_end_as_two_values():
                                        seed=23),
                                   Case(3, 640, scale_group=128, sum_norm=True, seed=24),
                                   Case(3, 512, fp4="nvfp4", normed_copy=True, seed=25)],
-                         ids=["plain", "no-residual", "static-fp8-layernorm", "dynamic-fp8-gemma", "nvfp4-copy"])
+                         ids=["plain", "no-residual", "static-fp8-layernorm", "dynamic-fp8-gemma",
+                              "nvfp4-copy"])
 def test_a_calls_addresses_are_its_kernel_tensors_pointers(case):
     """A kept launch passes ``kernel_addresses`` to the compiled launcher where the JIT took
     ``kernel_tensors``: the same pointers in the same order and nesting (the steps' as one tuple, last),
@@ -160,7 +163,8 @@ def test_quantised_outputs_compiled_on_one_gpu(algorithm):
     device = torch.device("cuda")
     ctx = local_launch_contexts(device, 16 * 4096)[0]
     launch = {"oneshot": lambda call: oneshot_allreduce_add_rmsnorm(ctx, call),
-              "twoshot": lambda call: twoshot_allreduce_add_rmsnorm(ctx, call), "local": local_add_rmsnorm}[algorithm]
+              "twoshot": lambda call: twoshot_allreduce_add_rmsnorm(ctx, call),
+              "local": local_add_rmsnorm}[algorithm]
     for case in QUANTISED:
         call = case.fused_call(case.inputs(1, device), 0)
         launch(call)

@@ -93,7 +93,8 @@ def compile_shape(name: str, world: int, dtype: str, constexprs: dict, target, u
     from tpfuse.kernels.oneshot import _oneshot_allreduce_add_rmsnorm_kernel
     from tpfuse.kernels.twoshot import _twoshot_allreduce_add_rmsnorm_kernel
 
-    kernel = {"oneshot": _oneshot_allreduce_add_rmsnorm_kernel, "twoshot": _twoshot_allreduce_add_rmsnorm_kernel}[name]
+    kernel = {"oneshot": _oneshot_allreduce_add_rmsnorm_kernel,
+              "twoshot": _twoshot_allreduce_add_rmsnorm_kernel}[name]
     constexprs = dict(constexprs)
     asked = constexprs.pop("num_warps", 16)
     step_types = {**STEP_POINTERS, **constexprs.pop("STEP_TYPES", {})}

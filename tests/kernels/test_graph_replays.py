@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tpfuse
-from tpfuse.testing.ranks import rank_backends
 from tpfuse.testing.cases import Case, check_results
+from tpfuse.testing.ranks import rank_backends
 
 BACKENDS = rank_backends()
 

@@ -8,8 +8,8 @@ import torch
 
 import tpfuse
 from tpfuse.testing import previous_slot_is_clear
-from tpfuse.testing.ranks import rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
+from tpfuse.testing.ranks import rank_backends, rank_device
 
 BACKENDS = rank_backends()
 

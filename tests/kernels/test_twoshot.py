@@ -5,8 +5,8 @@ import torch
 
 import tpfuse
 from tpfuse.testing import forced_table, previous_slot_is_clear
-from tpfuse.testing.ranks import rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
+from tpfuse.testing.ranks import rank_backends, rank_device
 
 BACKENDS = rank_backends()
 
@@ -36,7 +36,8 @@ SEQUENCE = [(5, 4096), (1, 512), (17, 4096), (3, 512), (2, 2880), (16, 8), (40, 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("oneshot_max, world_size", [(0, 2)] + [pytest.param(*p, marks=pytest.mark.extended) for p in ((4, 2), (0, 3), (4, 3))])
+@pytest.mark.parametrize("oneshot_max, world_size", [(0, 2)]
+                         + [pytest.param(*p, marks=pytest.mark.extended) for p in ((4, 2), (0, 3), (4, 3))])
 def test_twoshot_sequences(rank_pool, backend, world_size, oneshot_max):
     cases = [
         Case(

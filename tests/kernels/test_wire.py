@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 import tpfuse
 from tpfuse.testing import forced_table
-from tpfuse.testing.ranks import rank_backends, rank_device
 from tpfuse.testing.cases import Case
+from tpfuse.testing.ranks import rank_backends, rank_device
 
 BACKENDS = rank_backends()
 HIDDENS = (512, 640, 1024)

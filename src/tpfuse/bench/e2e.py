@@ -399,7 +399,8 @@ def hf_e2e_rank(run: E2ERun, path: str, generate_new_tokens: int = GENERATE_NEW_
                               lambda fn: fn(input_ids=prompt, use_cache=False, logits_to_keep=1).logits,
                               lambda: None))
     rows = time_providers(run, model, config.hidden_size, workloads)
-    generating = dataclasses.replace(run, iters=max(1, run.iters // 10))  # a call: new_tokens forwards + a prefill
+    # a call: new_tokens forwards + a prefill
+    generating = dataclasses.replace(run, iters=max(1, run.iters // 10))
     return rows + [time_generate(generating, model, b, prompt=min(GENERATE_PROMPT, prefill),
                                  new_tokens=generate_new_tokens) for b in run.batches]
 
@@ -414,11 +415,13 @@ def time_generate(run: E2ERun, model, batch: int, prompt: int = GENERATE_PROMPT,
     ``{p}_tokens_per_s`` (new tokens of every sequence), ``{p}_fused_calls`` in one call and
     ``{p}_tokens_agree`` (the fraction of generated tokens equal to unfused's).
     """
-    import tpfuse
     from transformers import CompileConfig
 
+    import tpfuse
+
     device, mode = run.device, run.mode
-    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt),
+                        generator=torch.Generator().manual_seed(3))
     ids = ids.to(device)
     row: dict = {"workload": f"generate b{batch}", "tokens": batch * new_tokens}
     reference = None
@@ -468,7 +471,8 @@ def time_generate(run: E2ERun, model, batch: int, prompt: int = GENERATE_PROMPT,
 
 def write_outputs(rows: list[dict], title: str, out_dir: str) -> None:
     keys = write_csv(rows, out_dir, "e2e.csv")
-    cols = [k for k in keys if k.endswith(("_ms", "_speedup_%", "_fused_calls", "_logit_diff", "_tokens_per_s",
+    cols = [k for k in keys
+            if k.endswith(("_ms", "_speedup_%", "_fused_calls", "_logit_diff", "_tokens_per_s",
                                            "_first_call_s"))
             and "_gpu_" not in k]
     print(f"\n{title}")

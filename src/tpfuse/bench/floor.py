@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+
 from tpfuse.kernels.protocol import _peer_base, launch_config
 from tpfuse.kernels.targets import wait_ticks
 from tpfuse.kernels.vendor import load_polled, now, pdl_start, store_shared

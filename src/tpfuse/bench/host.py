@@ -107,7 +107,8 @@ def _plans(tokens: int, world: int) -> dict:
 
 
 def _launch(plan_of: Callable, ctx, call, look_up: bool) -> Callable[[], None]:
-    """A launch of ``call``: with its plan kept here (as the op's), or looked up each time (the launchers' API)."""
+    """A launch of ``call``: with its plan kept here (as the op's), or looked up each time (the
+    launchers' API)."""
     from tpfuse.kernels.launch import launch
 
     if look_up:
@@ -224,7 +225,8 @@ def loopback_pair(tokens: int, hidden: int, device):
             planned = comm.plan(call).route
             if planned != algorithm:
                 raise RuntimeError(f"tpfuse: the loopback op would run {planned}, not {algorithm}")
-            yield lambda: tpfuse.allreduce_add_rmsnorm(call.x, call.residual, call.weight, call.eps, out=call.y,
+            yield lambda: tpfuse.allreduce_add_rmsnorm(call.x, call.residual, call.weight, call.eps,
+                                                       out=call.y,
                                                        residual_out=call.h)
 
     # Rank 0's calls run on the current stream, set once (entering a stream context costs more host
@@ -253,7 +255,8 @@ def _loopback_rows(tokens: int, hidden: int, device):
                 return host_us(call, after=pair.peer(algorithm), calls=TURN_CALLS)
 
         yield [Row(2, f"{word} {a}", lambda a=a, look_up=look_up: host_us(pair.own(a, look_up),
-                                                                          after=pair.peer(a), calls=TURN_CALLS))
+                                                                          after=pair.peer(a),
+                                                                          calls=TURN_CALLS))
                for word, look_up in _LAUNCH_ROWS for a in algorithms] + [
             Row(2, f"op {a}", lambda a=a: take_op(a)) for a in algorithms]
 
@@ -275,7 +278,8 @@ def _group_rows(tokens: int, hidden: int, device):
         with forced_table(world, device, tokens if algorithm == select.ONESHOT else 0, hiddens=(hidden,)):
             dist.barrier()
             return host_us(lambda: tpfuse.allreduce_add_rmsnorm(call.x, call.residual, call.weight, call.eps,
-                                                                out=call.y, residual_out=call.h), calls=TURN_CALLS)
+                                                                out=call.y, residual_out=call.h),
+                                                                calls=TURN_CALLS)
 
     chain = _torch_chain(call.x.clone(), call.residual, call.weight, all_reduce=True)
     plans = _plans(tokens, world)

@@ -156,7 +156,8 @@ class Providers:
 
         def launcher(launch, **kwargs):
             def call():
-                launch(comm.fused_backend.launch, FusedCall(our_input(), residual, weight, EPS, y, h, epilogue, scales),
+                launch(comm.fused_backend.launch,
+                       FusedCall(our_input(), residual, weight, EPS, y, h, epilogue, scales),
                        **kwargs)
                 return y, scales
 

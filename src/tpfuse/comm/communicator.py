@@ -18,8 +18,8 @@ from tpfuse import select
 from tpfuse.comm import agreement, topology
 from tpfuse.comm.backend import FusedBackend
 from tpfuse.kernels import kernels_usable
-from tpfuse.kernels.call import CallDescription, FusedCall
 from tpfuse.kernels.block_end import PLAIN, Epilogue
+from tpfuse.kernels.call import CallDescription, FusedCall
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,8 @@ class Communicator:
         elif kernels_usable(self.device):  # else no Triton kernel can run here: the reference path
             from tpfuse.comm.triton_backend import TritonBackend
 
-            self.fused_backend = TritonBackend(self.group, self.device, max_tokens * hidden, self.wait_timeout_s,
+            self.fused_backend = TritonBackend(self.group, self.device, max_tokens * hidden,
+                                               self.wait_timeout_s,
                                        fp8_wire=self.compress == "fp8")
 
     @property
@@ -233,7 +234,8 @@ class Communicator:
         return (f"{self.group_name}:{self.backend}:{self.compress}:{self.world_size}:{self.workspace_bytes}:"
                 f"{self._table_digest()}")
 
-    def choose_algorithm(self, n_tokens: int, hidden: int, dtype: torch.dtype, epilogue: Epilogue = PLAIN) -> str:
+    def choose_algorithm(self, n_tokens: int, hidden: int, dtype: torch.dtype,
+                         epilogue: Epilogue = PLAIN) -> str:
         """The algorithm a call of this group runs (see :func:`tpfuse.select.choose_algorithm`)."""
         if self.fused_backend is not None and not self.fused_backend.takes(n_tokens, epilogue):
             return select.REFERENCE
@@ -312,7 +314,8 @@ class Communicator:
         (every later call raises) until it is destroyed and created again, on every rank.
         """
         self.check_usable()
-        failure = self.fused_backend.failure(self.wait_timeout_s, waited_s) if self.fused_backend is not None else None
+        failure = self.fused_backend.failure(self.wait_timeout_s,
+                                             waited_s) if self.fused_backend is not None else None
         if failure is not None:
             self._error = (f"tpfuse: group {self.group_name!r} rank {self.rank}: {failure}. Its outputs are "
                            "NaN. Destroy this communicator and create a new one, on every rank.")

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from tpfuse.comm.backend import FusedBackend
-from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.block_end import Epilogue
+from tpfuse.kernels.call import FusedCall
 from tpfuse.select import ONESHOT
 
 

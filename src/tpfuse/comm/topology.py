@@ -47,7 +47,8 @@ def unreachable_peers(group: dist.ProcessGroup, device: torch.device, timeout_s:
     index = device.index if device.type == "cuda" and device.index is not None else (
         torch.cuda.current_device() if device.type == "cuda" else -1)
     mine = torch.tensor([_host_key(host_name()), index], dtype=torch.int64, device=device)
-    gathered = agreement.all_gather(mine, group, timeout_s, f"the topology check of group {group.group_name!r}")
+    gathered = agreement.all_gather(mine, group, timeout_s,
+                                    f"the topology check of group {group.group_name!r}")
     hosts = [int(t[0]) for t in gathered]
     indices = [int(t[1]) for t in gathered]
     reason = None

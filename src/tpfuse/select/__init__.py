@@ -166,7 +166,8 @@ def algorithm_table(world_size: int, device: torch.device | str | None = None) -
     """
     environment = (os.environ.get("TPFUSE_TABLE_DIR"), os.environ.get("HOME"))
     rocm = torch.version.hip is not None and torch.device(device or "cpu").type == "cuda"
-    return _load_table(device_slug(device), world_size, os.environ.get("TPFUSE_TUNE_TABLE"), environment, rocm)
+    override = os.environ.get("TPFUSE_TUNE_TABLE")
+    return _load_table(device_slug(device), world_size, override, environment, rocm)
 
 
 #: Incremented by :func:`reload_tables`: communicators keep their per-call decisions until it changes.

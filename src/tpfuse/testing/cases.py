@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from tpfuse.kernels import formats
+from tpfuse.kernels.block_end import FP4_GROUP, FP4_MXFP4, FP4_NONE, FP4_NVFP4, Epilogue
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.block_end import (FP4_GROUP, FP4_MXFP4, FP4_NONE, FP4_NVFP4, Epilogue)
 from tpfuse.kernels.reference import fused_reference_float64, rank_part, unquantised
 from tpfuse.kernels.targets import E4M3FN, E4M3FNUZ, fp8_format
 from tpfuse.ops.allreduce_add_rmsnorm import SCALE_LAYOUTS
@@ -82,7 +82,8 @@ class Case:
             normed=self.normed, experts=self.experts, topk_weights=inputs["topk_weights"],
             shared_expert=None if inputs["shared"] is None else inputs["shared"][rank],
             normed_copy=self.normed_copy, ue8m0_scales=self.ue8m0_scales,
-            scale_layout=SCALE_LAYOUTS[self.scale_layout], fp4=FP4[self.fp4], global_scale=inputs["global_scale"]))
+            scale_layout=SCALE_LAYOUTS[self.scale_layout], fp4=FP4[self.fp4],
+            global_scale=inputs["global_scale"]))
 
     def fused_call(self, inputs: dict, rank: int) -> FusedCall:
         """Rank ``rank``'s call as the kernels take it, with fresh outputs poisoned with NaN."""
@@ -101,8 +102,8 @@ class Case:
             scales.fill_(float("nan") if scales.is_floating_point() else -1)
         normed = torch.full(rows, float("nan"), dtype=x.dtype, device=x.device) if self.normed_copy else None
         h = torch.full(rows, float("nan"), dtype=x.dtype, device=x.device)
-        return FusedCall(x, inputs["residual"], inputs["weight"], self.eps, y if self.normed else h, h, steps, scales,
-                         normed)
+        return FusedCall(x, inputs["residual"], inputs["weight"], self.eps, y if self.normed else h, h,
+                         steps, scales, normed)
 
     def call(self, inputs: dict, rank: int, **kwargs):
         """This rank's call through the public API: ``(y, h)``, or ``(y, h, scales)`` for dynamic fp8."""
@@ -118,8 +119,9 @@ class Case:
         if self.quant_call:
             y, scales, h, normed = tpfuse.allreduce_add_rmsnorm_quant(
                 *args, output=self.fp4 or "fp8", quant_scale=inputs["quant_scale"],
-                scale_group=self.scale_group or None, ue8m0_scales=self.ue8m0_scales, scale_layout=self.scale_layout,
-                global_scale=inputs["global_scale"], normed_copy=self.normed_copy, **extras)
+                scale_group=self.scale_group or None, ue8m0_scales=self.ue8m0_scales,
+                scale_layout=self.scale_layout, global_scale=inputs["global_scale"],
+                normed_copy=self.normed_copy, **extras)
             return y, h, scales, normed
         if self.scale_group:
             y, scales, h = tpfuse.allreduce_add_rmsnorm_dynamic_fp8(*args, scale_group=self.scale_group,
@@ -152,13 +154,17 @@ class Case:
         if self.shared_expert:
             shared = [torch.randn(shape, generator=g).to(self.dtype) for _ in range(world_size)]
 
-        move = (lambda t: None if t is None else t.to(device))
+        def move(t):
+            return None if t is None else t.to(device)
+
         # NVFP4's global scale: y's amax (about 4 here) near 448 * 6 / 10, as vLLM picks it.
         global_scale = torch.tensor([448 * 6 / 10.0]) if self.fp4 == "nvfp4" else None
         return {"xs": [move(x) for x in xs], "residual": move(residual), "weight": move(weight),
-                "quant_scale": move(scale), "global_scale": move(global_scale), "bias": move(row(self.bias, 0.0)),
+                "quant_scale": move(scale), "global_scale": move(global_scale),
+                "bias": move(row(self.bias, 0.0)),
                 "sum_weight": move(row(self.sum_norm, 1.0)), "norm_bias": move(row(self.norm_bias, 0.0)),
-                "topk_weights": move(topk_weights), "shared": None if shared is None else [move(t) for t in shared]}
+                "topk_weights": move(topk_weights), "shared": None if shared is None
+                else [move(t) for t in shared]}
 
 
 def check_results(case: Case, world_size: int, per_rank: list[tuple[torch.Tensor, ...]],
@@ -228,8 +234,8 @@ def _check_powers_of_two(case: Case, rank: int, got: torch.Tensor, expected: tor
     ok = (exponent == torch.round(exponent)) & (exponent >= low) & (exponent <= high)
     if not ok.all():
         i = tuple((~ok).nonzero()[0].tolist())
-        raise AssertionError(f"{case} rank {rank}: UE8M0 scale {got[i].item()} is not the power of two at or above "
-                             f"{expected[i].item()}")
+        raise AssertionError(f"{case} rank {rank}: UE8M0 scale {got[i].item()} is not the power of two at or "
+                             f"above {expected[i].item()}")
 
 
 def _fp4_checks(epilogue: Epilogue, y: torch.Tensor, scales: torch.Tensor, y_ref: torch.Tensor) -> list:
@@ -271,7 +277,8 @@ def check_case_runs(world_size: int, cases: list[Case], results: list[dict], ker
         if route in ("oneshot", "twoshot"):
             chunks = -(-max(cases[i].tokens for i in chunked) // res["limit"]) if chunked else 1
             assert chunks > 1 or not chunked, (chunks, res["limit"])
-            assert [fused_calls(s) for s in ran] == [chunks if i in chunked else 1 for i in range(kernel_cases)], ran
+            assert [fused_calls(s) for s in ran] == [chunks if i in chunked else 1
+                                                     for i in range(kernel_cases)], ran
             assert all(set(s) == {f"triton.{route}"} for s in ran), ran
         else:
             assert all(s == {("triton.local" if route == "local" else "reference"): 1} for s in ran), ran

@@ -2,10 +2,10 @@
 
 Out of the box vLLM's CPU platform replaces ``VLLM_COMPILE`` with one plain ``torch.compile`` (no pass
 manager, no compile ranges, the CPU's in-place shared-memory all-reduce in the graph). With
-``TPFUSE_VLLM_CPU_GRAPHS=1`` (or ``traced``) this plugin (entry point ``tpfuse_cpu_graphs``, loaded by vLLM in every
-process) undoes that, so tpfuse's vLLM tests see GPU-shaped graphs on CPU ranks: vLLM's piecewise
-backend, its post-grad pass manager and compile ranges, ``vllm.all_reduce`` and the ``vllm_ir`` norms.
-Details: shared/notes/vllm-on-cpu.md.
+``TPFUSE_VLLM_CPU_GRAPHS=1`` (or ``traced``) this plugin (entry point ``tpfuse_cpu_graphs``, loaded by
+vLLM in every process) undoes that, so tpfuse's vLLM tests see GPU-shaped graphs on CPU ranks: vLLM's
+piecewise backend, its post-grad pass manager and compile ranges, ``vllm.all_reduce`` and the
+``vllm_ir`` norms.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def register() -> None:
 
     platform = type(current_platform)
     graphs = os.environ.get(ENV)
-    if graphs not in GRAPHS or not current_platform.is_cpu() or getattr(platform, "_tpfuse_gpu_graphs", False):
+    if graphs not in GRAPHS or not current_platform.is_cpu() or getattr(platform, "_tpfuse_gpu_graphs",
+                                                                        False):
         return
     platform._tpfuse_gpu_graphs = True
     from vllm.config import CompilationMode
@@ -77,7 +78,8 @@ TINY_CONFIGS = {
 }
 #: Greedy prompts: prefills of 5 and 3 tokens (under a 32-token limit) and of 40 (over it).
 PROMPTS = ([1, 5, 7, 9, 11], [1, 3, 4], list(range(3, 43)))
-TINY_SIZES = {"initializer_range": 0.1, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+TINY_SIZES = {"initializer_range": 0.1, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512, "max_position_embeddings": 512,
               "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
               "bos_token_id": 1, "eos_token_id": 2}
