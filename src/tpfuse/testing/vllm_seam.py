@@ -97,7 +97,8 @@ def _calls(rank: int, seed: int, tokens: int, gemma: bool, helpers, rows: int) -
         y_vllm, h_vllm = vllm_own(xs[rank].clone(), residual.clone(), norm)
     return {"tokens": tokens, "gemma": gemma, "xs": xs, "residual": residual, "weight": weight,
             "y": y.clone(), "h": h.clone(), "stats": stats, "y_vllm": y_vllm.clone(),
-            "h_vllm": h_vllm.clone(), "inputs_kept": torch.equal(x_in, xs[rank]) and torch.equal(residual_in, residual)}
+            "h_vllm": h_vllm.clone(),
+            "inputs_kept": torch.equal(x_in, xs[rank]) and torch.equal(residual_in, residual)}
 
 
 def rank_main(rank: int, port: int, configs: dict, out: str) -> None:
