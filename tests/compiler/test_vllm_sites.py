@@ -469,3 +469,86 @@ def test_per_token_fp8_as_vllm_writes_it_fuses_whole(form):
     outputs = next(n for n in graph.nodes if n.op == "output").args[0]
     scales = outputs[1].meta["val"]
     assert scales.dtype == torch.float32 and scales.shape[-1] == 1 and outputs[0].meta["val"].dtype == torch.float8_e4m3fn
+
+
+def _through_reshapes(node: torch.fx.Node) -> torch.fx.Node:
+    while node.target is torch.ops.aten.reshape.default:
+        node = node.args[0]
+    return node
+
+
+def _x_of(fused: torch.fx.Node) -> torch.fx.Node:
+    """The op's x argument, through its reshapes."""
+    return _through_reshapes(fused.args[0])
+
+
+@pytest.mark.parametrize("factor", ["number", "0-dim buffer", "[H] buffer"])
+def test_a_scaled_embedding_into_the_first_norm_fuses(factor):
+    """Gemma's ``embed_tokens(ids) * normalizer`` (a 0-dim fp32 buffer) and Granite's ``*=
+    embedding_multiplier`` (a number) in vLLM: ``all_reduce -> mul -> rms_norm``, the product the first
+    residual (read by the next ``fused_add_rms_norm``): each rank's part is scaled before the sum."""
+    all_reduce, add_norm, norm = _vllm_ops()
+
+    def forward(x, y, scale, weight, weight2):
+        by = 12.0 if factor == "number" else scale
+        embedded = all_reduce(x, "tp:0") * by
+        out = norm(embedded, weight, EPS)
+        return add_norm(all_reduce(y + out, "tp:0"), embedded, weight2, EPS)
+
+    scale = torch.tensor(16.0) if factor == "0-dim buffer" else torch.randn(HIDDEN, dtype=torch.bfloat16)
+    graph = vllm_graph(forward, *(torch.randn(6, HIDDEN, dtype=torch.bfloat16) for _ in range(2)), scale,
+                       *(torch.randn(HIDDEN, dtype=torch.bfloat16) for _ in range(2)))
+    fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
+    fusion(graph)
+    first, second = fusion.reports[-1]
+    assert first.fused and first.pattern == "AllReduceScaledRMSNorm", str(first)
+    assert second.fused and second.pattern == "AllReduceAddRMSNorm", str(second)
+    assert not [t for t in targets(graph) if str(t).startswith(("vllm::", "vllm_ir::"))]
+    scaled_op, add_op = [n for n in graph.nodes if n.target is FUSED]
+    x = _x_of(scaled_op)  # x * factor, before the op's all-reduce
+    assert x.target is torch.ops.aten.mul.Tensor and _through_reshapes(x.args[0]).op == "placeholder"
+    assert x.args[1] == 12.0 if factor == "number" else x.args[1].op == "placeholder"
+    assert scaled_op.args[1] is None  # no residual: the scaled sum is the op's h ...
+    residual = _through_reshapes(add_op.args[1])  # ... which the next site takes as its residual
+    assert residual.target is operator.getitem and residual.args == (scaled_op, 1)
+
+
+@pytest.mark.parametrize("form", ["granite-add", "fused_add_rms_norm"])
+def test_a_scaled_sum_added_to_the_residual_fuses(form):
+    """Granite's layers in vLLM, ``residual + out * residual_multiplier`` then ``rms_norm`` of it (the new
+    residual, read again by the next add), and the same through vLLM's ``fused_add_rms_norm``."""
+    all_reduce, add_norm, norm = _vllm_ops()
+
+    def forward(x, weight):
+        residual = x * 2  # the same symbolic token count as the sum, as vLLM's graphs have
+        scaled = all_reduce(x, "tp:0") * 0.22
+        if form == "granite-add":
+            h = residual + scaled
+            return norm(h, weight, EPS), h * 2
+        return add_norm(scaled, residual, weight, EPS)
+
+    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16), torch.randn(HIDDEN, dtype=torch.bfloat16))
+    fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
+    fusion(graph)
+    (site,) = fusion.reports[-1]
+    assert site.fused and site.pattern == "AllReduceScaledAddRMSNorm", str(site)
+    (fused,) = [n for n in graph.nodes if n.target is FUSED]
+    assert _x_of(fused).target is torch.ops.aten.mul.Tensor and _x_of(fused).args[1] == 0.22
+    assert _through_reshapes(fused.args[1]).target is torch.ops.aten.mul.Tensor  # the residual, x * 2
+    left = [t for t in targets(graph) if str(t).startswith(("vllm::", "vllm_ir::"))]
+    assert left == [] and torch.ops.aten.add.Tensor not in targets(graph), targets(graph)
+
+
+def test_a_sum_scaled_by_a_value_computed_in_the_graph_stays_vllms():
+    """A factor the graph computes (here from the rank's own input) may differ between ranks: scaling
+    each rank's part would not scale the sum by it. The site stays vLLM's, saying why."""
+    all_reduce, _, norm = _vllm_ops()
+
+    def forward(x, weight):
+        return norm(all_reduce(x, "tp:0") * x.float().mean().to(torch.bfloat16), weight, EPS)
+
+    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16), torch.randn(HIDDEN, dtype=torch.bfloat16))
+    fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
+    fusion(graph)
+    (site,) = fusion.reports[-1]
+    assert not site.fused and site.code == "operands" and "computed in the graph" in site.reason, str(site)

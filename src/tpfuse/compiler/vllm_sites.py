@@ -42,8 +42,8 @@ import torch
 from torch.fx import Graph, Node
 
 from tpfuse.compiler.matchers import (
-    converts_to, fp8_of, is_add, is_call, match_finalize, match_rmsnorm, meta_val, only_user, other_arg, prims,
-    residual_problem,
+    aten, converts_to, fp8_of, is_add, is_call, is_row_vector, is_scalar, match_finalize, match_rmsnorm, meta_val,
+    only_user, other_arg, prims, residual_problem,
 )
 from tpfuse.compiler.patterns import PATTERNS_BY_NAME, FusionPattern, Match, site_problem
 from tpfuse.compiler.reasons import DYNAMIC_HIDDEN, Reason
@@ -162,10 +162,13 @@ def find_site(all_reduce: Node, group_name: str) -> tuple[Match | None, Reason |
     elif quantised := [u for u in users if functionalized(u) in (NORM_QUANT, ADD_NORM_QUANT)
                        and u.kwargs["input"] is all_reduce]:
         match, reason = _quantised_site(all_reduce, group_name, hidden, quantised[0])
+    elif (scaled := _scaled(all_reduce, hidden)) is not None:
+        match, reason = _scaled_site(all_reduce, group_name, hidden, *scaled)
     else:
         match, reason = _native_site(all_reduce, group_name, hidden), None
     if match is not None:
-        match.finalize = match_finalize(match.x, hidden)  # routed + shared experts: added in the op
+        if match.x_scale is None:  # (a number times the sum is folded into x, which keeps its form)
+            match.finalize = match_finalize(match.x, hidden)  # routed + shared experts: added in the op
         return match, None
     if reason is not None:
         return None, reason
@@ -351,6 +354,100 @@ def _scale_layout(scales: torch.Tensor, groups: int, packed: bool = False) -> in
     return None
 
 
+def _scaled(all_reduce: Node, hidden: int) -> tuple[Node, object] | None:
+    """(the product, the factor) where the sum's only use is ``sum * factor``: a number, or a one-element
+    or ``[H]`` tensor (Gemma's ``normalizer`` buffer, Granite's ``embedding_multiplier`` and
+    ``residual_multiplier``), else None."""
+    mul = only_user(all_reduce)
+    if not is_call(mul, aten.mul.Tensor) or all_reduce not in mul.args[:2]:
+        return None
+    factor = other_arg(mul, all_reduce)
+    if factor is all_reduce or not (is_scalar(factor) or is_row_vector(factor, hidden)):
+        return None
+    return mul, factor
+
+
+def _factor_problem(factor: object, product: Node, all_reduce: Node) -> Reason | None:
+    """Why the op may not take ``factor`` as each rank's ``x_scale`` (None: it may). Scaling every rank's
+    part scales the sum only where the factor is the same on every rank: a number, or a tensor the graph
+    takes as an input (a model's buffer or parameter: replicated), seen through views; a tensor computed
+    in the graph may differ between ranks. The product must keep the sum's dtype (vLLM's next norm reads it)."""
+    if meta_val(product).dtype != meta_val(all_reduce).dtype:
+        return Reason("operands", f"the sum times a {meta_val(factor).dtype} tensor is "
+                                  f"{meta_val(product).dtype}, not the sum's {meta_val(all_reduce).dtype}")
+    node = factor
+    while isinstance(node, Node) and node.op == "call_function" and node.target in _VIEWS_OF_INPUTS:
+        node = node.args[0]
+    if isinstance(node, Node) and node.op not in ("placeholder", "get_attr"):
+        return Reason("operands", "the sum is multiplied by a tensor computed in the graph, which may differ "
+                                  "between ranks (tpfuse scales each rank's part)")
+    if isinstance(node, Node) and not meta_val(node).is_floating_point():
+        return Reason("operands", "the sum is multiplied by an integer tensor")
+    return None
+
+
+# Views and casts of a graph input that keep it the same on every rank.
+_VIEWS_OF_INPUTS = (aten.view.default, aten.reshape.default, aten.expand.default, aten.unsqueeze.default,
+                    aten.squeeze.dim, aten.squeeze.default, prims.convert_element_type.default)
+
+
+def _scaled_site(all_reduce: Node, group_name: str, hidden: int, product: Node,
+                 factor: object) -> tuple[Match | None, Reason | None]:
+    """The site of ``sum * factor`` (:func:`_scaled`) followed by vLLM's norm, the factor the op's
+    ``x_scale`` (each rank's part is scaled before the sum):
+
+    - ``rms_norm(product)``: Gemma's and Granite's embedding into the first norm (the product stays the
+      residual: its other readers read the op's h);
+    - ``fused_add_rms_norm(product, residual)``;
+    - ``rms_norm(product + residual)`` (aten's add): Granite's ``residual + out * residual_multiplier``
+      (the new residual, the add, read by the next layer's add).
+
+    vLLM rounds the sum, then the product, then the add to the activations' dtype; the op rounds each rank's
+    scaled part, then once after the residual (within rounding of vLLM's)."""
+    x, val = all_reduce.args[0], meta_val(all_reduce)
+    graph = all_reduce.graph
+    problem = _factor_problem(factor, product, all_reduce)
+    norms = [u for u in product.users if op_name(u) == NORM and u.args[0] is product]
+    add_norms = [u for u in product.users if op_name(u) == ADD_NORM and product in u.args[:(1 if norms else 2)]]
+    adds = [u for u in product.users if is_add(u)] if not (norms or add_norms) else []
+    match = None
+    if norms:
+        norm = norms[0]
+        weight, eps, variance_size = _arg(norm, 1, "weight"), _arg(norm, 2, "epsilon"), _arg(norm, 3, "variance_size")
+        match = Match(all_reduce, x, group_name, "sum", product, norm, weight, float(eps), hidden,
+                      internal=[all_reduce])
+    elif add_norms:
+        norm = add_norms[0]
+        if len(product.users) != 1:
+            return None, Reason("outside-users", "the scaled sum has users besides vLLM's fused_add_rms_norm (the "
+                                                 "fused op gives the sum only after the residual add)")
+        residual = norm.args[1] if norm.args[0] is product else norm.args[0]
+        weight, eps, variance_size = _arg(norm, 2, "weight"), _arg(norm, 3, "epsilon"), _arg(norm, 4, "variance_size")
+        match = Match(all_reduce, x, group_name, "sum", _output(graph, norm, 1), _output(graph, norm, 0), weight,
+                      float(eps), hidden, residual=residual, internal=[all_reduce, product, norm])
+        match.problem = residual_problem(residual, all_reduce, val, hidden)
+    elif len(adds) == 1 and len(product.users) == 1:
+        add = adds[0]
+        after = [u for u in add.users if op_name(u) == NORM and u.args[0] is add]
+        if not after:
+            return None, None
+        norm = after[0]
+        weight, eps, variance_size = _arg(norm, 1, "weight"), _arg(norm, 2, "epsilon"), _arg(norm, 3, "variance_size")
+        residual = other_arg(add, product)
+        match = Match(all_reduce, x, group_name, "sum", add, norm, weight, float(eps), hidden, residual=residual,
+                      internal=[all_reduce, product])
+        match.problem = residual_problem(residual, add, val, hidden)
+    if match is None:
+        return None, None
+    if weight is None:
+        return None, Reason("vllm-form", "vLLM's norm has no weight")
+    if variance_size is not None:
+        return None, Reason("vllm-form", "vLLM's norm takes its variance over part of the row (variance_size)")
+    match.x_scale = factor
+    match.problem = problem or match.problem
+    return match, None
+
+
 def _native_site(all_reduce: Node, group_name: str, hidden: int) -> Match | None:
     """The site of vLLM's norm traced as aten ops (vLLM's graphs without its IR ops): the residual added
     in fp32 (``sum.float() + residual.float()``), the norm of that fp32 row, the weight after the cast
@@ -384,8 +481,10 @@ def _native_site(all_reduce: Node, group_name: str, hidden: int) -> Match | None
 
 
 def pattern_of(match: Match) -> FusionPattern:
-    """The pattern whose checks and replacement serve a vLLM site: with or without a residual and fp8."""
+    """The pattern whose checks and replacement serve a vLLM site: scaled or not, with or without a residual
+    and fp8."""
     quant = ("Fp4Quant" if match.fp4 else "DynamicQuant" if match.scales is not None else
              "Quant" if match.quant_scale is not None else "")
-    return PATTERNS_BY_NAME[f"AllReduce{'PostNorm' if match.sum_weight is not None else ''}"
+    return PATTERNS_BY_NAME[f"AllReduce{'Scaled' if match.x_scale is not None else ''}"
+                            f"{'PostNorm' if match.sum_weight is not None else ''}"
                             f"{'Add' if match.residual is not None else ''}RMSNorm{quant}"]
