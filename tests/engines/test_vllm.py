@@ -34,12 +34,15 @@ def vllm_python() -> pathlib.Path:
     return ROOT / ".venv-vllm" / "bin" / "python"
 
 
-def start_vllm(python: pathlib.Path, model: str, graphs: str, tpfuse: bool, out: pathlib.Path) -> subprocess.Popen:
+def start_vllm(python: pathlib.Path, model: str, graphs: str, tpfuse: bool, out: pathlib.Path,
+               invariant: bool = False) -> subprocess.Popen:
     command = [str(python), "-m", "tpfuse.testing.vllm_cpu", "--model", model, "--max-tokens", str(LIMIT),
                "--out", str(out)] + (["--tpfuse"] if tpfuse else [])
     # A fresh Inductor cache: the pass runs (and reports) instead of Inductor serving an earlier run's graph.
-    env = {**os.environ, **ENV, "TORCHINDUCTOR_CACHE_DIR": str(out.with_suffix(".inductor")),
-           "TPFUSE_VLLM_CPU_GRAPHS": graphs}
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_BATCH_INVARIANT", "TPFUSE_BATCH_INVARIANT")}
+    env.update(ENV, TORCHINDUCTOR_CACHE_DIR=str(out.with_suffix(".inductor")), TPFUSE_VLLM_CPU_GRAPHS=graphs)
+    if invariant:  # vLLM's batch-invariant mode (tpfuse's follows it), for both runs
+        env["VLLM_BATCH_INVARIANT"] = "1"
     return subprocess.Popen(command, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -61,16 +64,12 @@ def first_parting(a: list, b: list) -> int | None:
     ("llama", "1"),  # vLLM's norms as its IR ops, as vLLM 0.32 compiles on GPUs
     pytest.param("qwen3", "1", marks=pytest.mark.extended),
     pytest.param("llama", "traced", marks=pytest.mark.extended),  # the norms traced (no IR ops)
-], ids=["llama", "qwen3", "llama-traced-norms"])
+    # the scaled sites: Gemma 2's embedding * normalizer (and its post-norms), Granite's multipliers
+    pytest.param("gemma2", "1", marks=pytest.mark.extended),
+    pytest.param("granite", "1", marks=pytest.mark.extended),
+], ids=["llama", "qwen3", "llama-traced-norms", "gemma2", "granite"])
 def test_vllm_generates_with_every_site_under_the_limit_fused(model, graphs, vllm_python, tmp_path):
-    # Both runs at once: each leaves part of the CPU idle (its processes' start-up, its waits).
-    runs = {name: start_vllm(vllm_python, model, graphs, tpfuse=name == "fused", out=tmp_path / f"{name}.json")
-            for name in ("alone", "fused")}
-    try:
-        alone, fused = (vllm_result(run, tmp_path / f"{name}.json") for name, run in runs.items())
-    finally:
-        for run in runs.values():
-            run.kill()
+    alone, fused = _both_runs(vllm_python, model, graphs, tmp_path)
 
     # Every rank: one fused call per site in a forward under the limit, none over it; vLLM alone, none.
     for rank, counts in enumerate(fused["forward of 4 tokens"]):
@@ -78,7 +77,43 @@ def test_vllm_generates_with_every_site_under_the_limit_fused(model, graphs, vll
     assert fused["forward of 40 tokens"] == [{"rank": 0}, {"rank": 1}]
     assert alone["forward of 4 tokens"] == [{"rank": 0}, {"rank": 1}]
     assert "tpfuse: fused" in fused["log"] and "not fused" not in fused["log"], "a site stayed vLLM's"
+    _same_greedy_tokens(fused, alone)
 
+
+@pytest.mark.extended
+def test_vllm_batch_invariant_mode_keeps_tpfuses_sites_at_every_size(vllm_python, tmp_path):
+    """VLLM_BATCH_INVARIANT=1 (both runs): vLLM turns its own fusion off; tpfuse's pass stays on every compile
+    range, so a forward over the limit runs tpfuse's op at every site too (in parts), and the plugin says so
+    once; greedy tokens as vLLM alone in that mode."""
+    alone, fused = _both_runs(vllm_python, "llama", "1", tmp_path, invariant=True)
+    for name in ("forward of 4 tokens", "forward of 40 tokens"):
+        for rank, counts in enumerate(fused[name]):
+            calls = sum(n for k, n in counts.items() if k.startswith("triton."))
+            assert counts["rank"] == rank and calls >= SITES and "reference" not in counts, (name, counts)
+    assert alone["forward of 4 tokens"] == [{"rank": 0}, {"rank": 1}]
+    assert "not fused" not in fused["log"], "a site stayed vLLM's"
+    said = [line.split(")", 1)[0] for line in fused["log"].splitlines()
+            if "tpfuse: batch-invariant mode (VLLM_BATCH_INVARIANT)" in line]
+    assert said and len(said) == len(set(said)), f"not said once (a process at most once): {said}"
+    _same_greedy_tokens(fused, alone)
+
+
+def _both_runs(python: pathlib.Path, model: str, graphs: str, tmp_path: pathlib.Path,
+               invariant: bool = False) -> tuple[dict, dict]:
+    """(vLLM alone, vLLM with tpfuse): both runs at once (each leaves part of the CPU idle: its processes'
+    start-up, its waits)."""
+    runs = {name: start_vllm(python, model, graphs, tpfuse=name == "fused", out=tmp_path / f"{name}.json",
+                             invariant=invariant)
+            for name in ("alone", "fused")}
+    try:
+        alone, fused = (vllm_result(run, tmp_path / f"{name}.json") for name, run in runs.items())
+    finally:
+        for run in runs.values():
+            run.kill()
+    return alone, fused
+
+
+def _same_greedy_tokens(fused: dict, alone: dict) -> None:
     # Greedy tokens: equal, or parting only where vLLM alone had a near-tie (tpfuse sums in fp32 where
     # vLLM rounds the all-reduce to bf16 first, and applies the norm weight before rounding).
     for prompt, (ours, theirs) in enumerate(zip(fused["tokens"], alone["tokens"])):

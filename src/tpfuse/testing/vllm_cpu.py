@@ -69,12 +69,23 @@ def register() -> None:
 
 
 # What the vLLM tests run, in a process of its own (vLLM starts its workers from it):
-#   python -m tpfuse.testing.vllm_cpu --model llama|qwen3 [--tpfuse] [--max-tokens N] --out result.json
+#   python -m tpfuse.testing.vllm_cpu --model llama|qwen3|gemma2|granite [--tpfuse] [--max-tokens N] \
+#       --out result.json
 TINY_CONFIGS = {
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
               "rope_theta": 10000.0},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "rms_norm_eps": 1e-6,
               "rope_theta": 1000000.0},
+    # Gemma 2: the embedding times sqrt(hidden) (vLLM's normalizer buffer), post-norms, GemmaRMSNorm's 1 + w
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "rms_norm_eps": 1e-6,
+               "rope_theta": 10000.0, "query_pre_attn_scalar": 64, "sliding_window": 128,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "hidden_activation": "gelu_pytorch_tanh",
+               "tie_word_embeddings": True},  # vLLM's Gemma 2 has no lm_head of its own
+    # Granite: the embedding times embedding_multiplier, each layer's output times residual_multiplier
+    "granite": {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                "attention_multiplier": 0.015625, "logits_scaling": 8.0},
 }
 #: Greedy prompts: prefills of 5 and 3 tokens (under a 32-token limit) and of 40 (over it).
 PROMPTS = ([1, 5, 7, 9, 11], [1, 3, 4], list(range(3, 43)))
@@ -92,7 +103,7 @@ def tiny_checkpoint(model: str, directory) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    settings = {**TINY_CONFIGS[model], **TINY_SIZES}
+    settings = {**TINY_SIZES, **TINY_CONFIGS[model]}  # a model's own settings over the common sizes
     config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(directory)
@@ -116,22 +127,19 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", choices=sorted(TINY_CONFIGS), default="llama")
-    parser.add_argument("--tpfuse", action="store_true", help="with tpfuse's pass (else vLLM alone)")
+    parser.add_argument("--tpfuse", action="store_true", help="with tpfuse's switch (else vLLM alone)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tpfuse's fusion limit (tokens)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
 
-    from tpfuse.engines.vllm import compilation_config
-
-    config = {"mode": "VLLM_COMPILE", "custom_ops": []}
-    if args.tpfuse:
-        config = compilation_config(config, max_tokens=args.max_tokens)
+    # tpfuse's switch, as a user turns it on (docs/vllm.md): vLLM's additional_config
+    extra = {"tpfuse": {"max_tokens": args.max_tokens} if args.max_tokens else True} if args.tpfuse else {}
     llm = LLM(model=tiny_checkpoint(args.model, tempfile.mkdtemp(prefix=f"tiny-{args.model}-")),
               skip_tokenizer_init=True, tensor_parallel_size=2, dtype="bfloat16", max_model_len=256,
-              max_num_seqs=4, max_num_batched_tokens=256, enforce_eager=False, compilation_config=config,
-              seed=0)
+              max_num_seqs=4, max_num_batched_tokens=256, enforce_eager=False,
+              compilation_config={"mode": "VLLM_COMPILE", "custom_ops": []}, additional_config=extra, seed=0)
     # One prompt at a time: vLLM batches requests as they arrive, and a batch of another size runs
     # another graph (fused or not), so two runs would not compute the same steps.
     greedy = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, logprobs=5)
