@@ -11,7 +11,7 @@ import types
 import pytest
 
 from tpfuse.engines import seams, sglang
-from tpfuse.engines.seams import Seam, SeamMissing
+from tpfuse.engines.seams import Seam, SeamMissing, StartUpStopped
 
 
 def _stand_in_sglang(monkeypatch, version: str, without: str | None = None) -> list:
@@ -60,8 +60,11 @@ def _stand_in_sglang(monkeypatch, version: str, without: str | None = None) -> l
 def test_sglang_plugin_fails_start_up_naming_a_missing_seam(monkeypatch, missing):
     registered = _stand_in_sglang(monkeypatch, "0.5.24", without=missing)
     monkeypatch.setenv(sglang.ENV, "1")
-    with pytest.raises(SeamMissing) as raised:
+    # A SystemExit (SGLang's load_plugins would log and swallow an Exception, starting without tpfuse),
+    # from the SeamMissing that names the seam
+    with pytest.raises(StartUpStopped) as raised:
         sglang.register()
+    assert isinstance(raised.value.__cause__, SeamMissing) and isinstance(raised.value, SystemExit)
     message = str(raised.value)
     assert missing in message and "SGLang 0.5.24" in message and "0.5.23" in message, message
     assert registered == []  # nothing hooked when something is missing

@@ -146,3 +146,60 @@ def test_replaced_gate_follows_the_communicators_limit(ranks):
     for r in ranks:
         assert r["limit"] >= SMALL
         assert r["gate"] == {"before": False, "1..limit": True, "0": False, "limit+1": False}, r["gate"]
+
+
+# Run in a fresh interpreter: SGLang's own loader with one seam taken away from SGLang's modules.
+MISSING_GATE = """
+from sglang.srt.layers.layer_boundary.residual import add_norm
+del add_norm.flashinfer_ar_fusion_applies  # a release that moved the gate
+from sglang.srt.plugins import load_plugins
+load_plugins()
+print("served on without tpfuse")
+"""
+
+
+def test_a_missing_seam_stops_sglangs_start_up_naming_it():
+    """SGLang's load_plugins logs and swallows a plugin's Exception; tpfuse's plugin, asked for and missing a
+    seam, stops the process instead (SystemExit), naming the seam and SGLang's version."""
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
+    env["TPFUSE_SGLANG"] = "1"
+    done = subprocess.run([sys.executable, "-c", MISSING_GATE], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode != 0 and "served on without tpfuse" not in done.stdout, done.stdout + done.stderr[-3000:]
+    import sglang
+
+    from tpfuse.engines.sglang import GATE
+    target = GATE.rsplit(".", 1)[0] + ":" + GATE.rsplit(".", 1)[1]
+    assert target in done.stderr and f"SGLang {sglang.__version__}" in done.stderr, done.stderr[-3000:]
+
+
+def _deterministic_on_ranks(rank, world_size):
+    """With SGLang's server args asking for deterministic inference: the replaced workspace method turns
+    tpfuse's batch-invariant mode on, and the gate sends every batch (over the limit too) to tpfuse."""
+    import torch.distributed as dist
+    from sglang.srt.layers import flashinfer_comm_fusion
+    from sglang.srt.layers.layer_boundary.residual import add_norm
+    from sglang.srt.model_executor.runner.base_runner import BaseRunner
+    from sglang.srt.plugins import load_plugins
+
+    import tpfuse
+
+    os.environ["TPFUSE_SGLANG"] = "1"
+    load_plugins()
+    coordinator = SimpleNamespace(device_group=dist.group.WORLD)
+    flashinfer_comm_fusion.resolve_fusion_group = lambda *, use_attn_tp_group: (world_size, rank, coordinator)
+    before = tpfuse.batch_invariant()
+    runner = SimpleNamespace(model_runner=SimpleNamespace(
+        model_config=SimpleNamespace(hidden_size=HIDDEN), dtype=torch.bfloat16,
+        server_args=SimpleNamespace(enable_deterministic_inference=True)))
+    BaseRunner._pre_initialize_flashinfer_allreduce_workspace(runner)
+    limit = tpfuse.get_communicator(dist.group.WORLD).max_token_num(HIDDEN, torch.bfloat16)
+    gate = add_norm.flashinfer_ar_fusion_applies
+    return {"before": before, "after": tpfuse.batch_invariant(), "over the limit": gate(limit + 1),
+            "far over": gate(8 * limit), "0": gate(0)}
+
+
+def test_deterministic_inference_keeps_tpfuse_serving_every_batch():
+    results = run_ranks(_deterministic_on_ranks, 2, env={"TPFUSE_SGLANG": "1"})
+    for r in results:
+        assert r == {"before": False, "after": True, "over the limit": True, "far over": True, "0": False}, r

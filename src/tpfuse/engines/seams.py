@@ -16,7 +16,7 @@ import importlib
 import logging
 from dataclasses import dataclass
 
-__all__ = ["Seam", "SeamMissing", "check", "resolve", "base_version"]
+__all__ = ["Seam", "SeamMissing", "StartUpStopped", "check", "resolve", "base_version"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,12 @@ class Seam:
 class SeamMissing(RuntimeError):
     """A seam a plugin needs is not in the installed engine: its message names the engine, its version
     and each missing target."""
+
+
+class StartUpStopped(SystemExit):
+    """A :class:`SeamMissing` raised through an engine's plugin loader that catches a plugin's ``Exception``
+    and starts without it (SGLang's ``load_plugins`` logs it and serves on, tpfuse unused): a ``SystemExit``
+    that loader lets through, so start-up stops. Its message (``code``) is the ``SeamMissing``'s."""
 
 
 def resolve(target: str):

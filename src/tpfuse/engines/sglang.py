@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import os
 
-from tpfuse.engines.seams import Seam, check
+from tpfuse.engines.seams import Seam, SeamMissing, StartUpStopped, check
 
 log = logging.getLogger("tpfuse.engines.sglang")
 
@@ -78,10 +78,16 @@ def check_seams() -> dict[str, object]:
 
 def register() -> None:
     """SGLang's plugin entry point: the three replacements above, when ``$TPFUSE_SGLANG`` is 1 (after
-    checking every seam: one missing raises, never a silent no-op)."""
+    checking every seam: one missing stops start-up with :class:`~tpfuse.engines.seams.StartUpStopped`,
+    never a silent no-op)."""
     if os.environ.get(ENV) != "1":
         return
-    check_seams()
+    try:
+        check_seams()
+    except SeamMissing as exc:
+        # SGLang's load_plugins catches a plugin's Exception, logs it and serves without the plugin: tpfuse
+        # would be unused though asked for. A SystemExit passes that handler and stops start-up.
+        raise StartUpStopped(str(exc)) from exc
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     for target, hook in ((FUSED_CALL, allreduce_residual_rmsnorm), (GATE, fusion_applies),
@@ -123,17 +129,18 @@ def fusion_applies(batch_size: int) -> bool:
 
 
 def deterministic_inference(runner) -> bool:
-    """Whether SGLang's server runs with ``--enable-deterministic-inference`` (its server args, as the
-    runner's model runner holds them, else SGLang's global ones)."""
+    """Whether SGLang's server runs with ``--enable-deterministic-inference``: its server args as the runner's
+    model runner holds them, else the value in effect in SGLang's runtime context
+    (``get_exec().deterministic``; SGLang 0.5.23 retired ``get_global_server_args``)."""
     args = getattr(getattr(runner, "model_runner", None), "server_args", None)
-    if args is None:
-        try:
-            from sglang.srt.server_args import get_global_server_args
+    if args is not None:
+        return bool(getattr(args, "enable_deterministic_inference", False))
+    try:
+        from sglang.srt.runtime_context import get_exec
 
-            args = get_global_server_args()
-        except (ImportError, AttributeError, ValueError, AssertionError):  # no server (SGLang's modules alone)
-            return False
-    return bool(getattr(args, "enable_deterministic_inference", False))
+        return bool(get_exec().deterministic.enable_deterministic_inference)
+    except Exception:  # noqa: BLE001 - no runtime context (SGLang's modules without a server): not asked for
+        return False
 
 
 def create_communicators(runner) -> None:
