@@ -239,6 +239,7 @@ def configure(vllm_config) -> None:
     settings = settings_of(vllm_config)
     if settings is None:
         return
+    _log_through_vllm()  # again: vLLM's front end may set its log handlers up after loading the plugins
     check_seams()
     compilation = vllm_config.compilation_config
     if not settings["limit"] and vllm_config.model_config is not None:

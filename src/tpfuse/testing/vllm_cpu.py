@@ -59,6 +59,8 @@ def register() -> None:
     in_place = CpuCommunicator.all_reduce
     CpuCommunicator.all_reduce = lambda self, input_: in_place(self, input_.clone())
 
+    _without_triton_overrides_in_batch_invariant_mode()
+
     import torch
     import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
 
@@ -66,6 +68,24 @@ def register() -> None:
     for name in _CUDA_ONLY_OPS:
         if not hasattr(torch.ops._C, name):
             _stubs.define(f"{name}(Tensor x) -> ()")
+
+
+def _without_triton_overrides_in_batch_invariant_mode() -> None:
+    """Under ``VLLM_BATCH_INVARIANT=1`` vLLM 0.32's CPU build cannot run at all: its worker's
+    ``init_batch_invariance`` registers Triton kernels for aten's softmax, log_softmax, mean and bmm on the
+    CPU dispatch key, and the CPU build's Triton is vLLM's placeholder ("Triton is installed, but doesn't
+    include CPU backend. Disabling Triton"), so the sampler's first softmax fails ("'function' object is
+    not subscriptable"), with or without tpfuse. Here those overrides are left out (the rest of the mode
+    stays: the flag every layer reads, the environment it sets); the CPU's own aten kernels serve instead,
+    so vLLM's other ops are not batch-invariant on these ranks, tpfuse's sites and the mode's switches are
+    what the test checks."""
+    from vllm import envs
+
+    if not envs.VLLM_BATCH_INVARIANT:
+        return
+    from vllm.model_executor.determinism import batch_invariant
+
+    batch_invariant.enable_batch_invariant_mode = lambda: None
 
 
 # What the vLLM tests run, in a process of its own (vLLM starts its workers from it):
