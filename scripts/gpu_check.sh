@@ -38,14 +38,19 @@ host_cost() {
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 # `one-gpu`: what one GPU can show. The fast lane on the GPU (kernels compiled for it: the compile
-# test, the one-GPU kernel tests, world size 1), two ranks sharing the GPU (GPU us a call), and the
-# host us a call of the launchers and the eager op (two ranks on the GPU) beside torch's chain.
+# test, the one-GPU kernel tests, world size 1, two ranks sharing the GPU reducing rows in batches),
+# two ranks sharing the GPU (GPU us a call), batch-invariant mode's gathered path beside the reference
+# path, and the host us a call of the launchers and the eager op (two ranks on the GPU) beside torch's
+# chain.
 if [ "$MODE" = one-gpu ]; then
   echo "== one GPU: the fast lane, kernels compiled for this GPU =="
   timeout 300 python3 -m pytest tests -q -rfE -m "not slow" -p no:cacheprovider 2>&1 | tee "$OUT/one-gpu-tests.log" | tail -8
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   echo "== loopback: two ranks on one GPU, GPU us a call (CUDA-graph replays) =="
   timeout 150 python3 scripts/loopback_latency.py 2>&1 | tee "$OUT/loopback.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  echo "== batch-invariant mode: the gathered path's block end beside the reference path's (GPU us) =="
+  timeout 120 python3 scripts/batch_invariant_cost.py 2>&1 | tee "$OUT/batch-invariant.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   host_cost
   exit $status

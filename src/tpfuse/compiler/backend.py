@@ -6,7 +6,9 @@ collectives (``funcol.all_reduce``, ``dist.all_reduce`` rewritten by dynamo) and
 redistributions from ``Partial`` to ``Replicate`` (``parallelize_module``'s ``RowwiseParallel``).
 Each eligible site gives a token count (the product of all dims but the last, often a product of
 symbols such as ``batch * seq``) and a limit (:func:`tpfuse.select.max_token_num`); the fused graph
-runs when every such count is within its limit, the plain graph otherwise.
+runs when every such count is within its limit, the plain graph otherwise. In batch-invariant mode
+(``tpfuse.set_batch_invariant``) there is no limit: one fused graph serves every token count, so no
+compile range changes a token's bits.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpfuse.compiler.fusion_pass import FusionPass, SiteReport, report_graph, site_limit, summarize
+from tpfuse.compiler.patterns import UNBOUNDED_LIMIT
 from tpfuse.compiler.reasons import Reason
 from tpfuse.compiler.sizes import describe_shape, static_int, token_count
 
@@ -96,7 +99,7 @@ def plan_graph(gm: torch.fx.GraphModule) -> GraphPlan:
         if reason is not None:
             shape = describe_shape(value.shape)
             plan.sites.append(SiteReport(shape, value.dtype, group_name, False, None, reason))
-        elif isinstance(tokens, int):
+        elif isinstance(tokens, int) or limit >= UNBOUNDED_LIMIT:  # batch-invariant mode: no range
             plan.static_fusable += 1
         else:
             key = str(tokens)

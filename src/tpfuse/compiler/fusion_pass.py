@@ -18,10 +18,12 @@ from tpfuse.compiler import vllm_sites
 from tpfuse.comm.communicator import fusion_signature, lookup_communicator
 from tpfuse.compiler.matchers import ALL_REDUCE, WAIT, meta_val
 from tpfuse.compiler.patterns import (
-    PATTERNS, Match, plain_all_reduce_problem, replace_with_plain_all_reduce, site_problem, unmatched_reason,
+    PATTERNS, UNBOUNDED_LIMIT, Match, plain_all_reduce_problem, replace_with_plain_all_reduce, site_problem,
+    unmatched_reason,
 )
 from tpfuse.compiler.reasons import Reason, no_communicator
 from tpfuse.compiler.sizes import describe_shape, static_int, token_count
+from tpfuse.ops.determinism import batch_invariant
 
 log = logging.getLogger("tpfuse.compiler")
 # Inductor may run a copy of a pass (config patches are copied): copies share a tag and these records.
@@ -75,13 +77,22 @@ def report_graph(sites: list[SiteReport], token_range: str) -> None:
     _stats.record("compile.plain_sites", sum(s.plain for s in sites))
     level = logging.INFO if all(s.fused or s.plain for s in sites) else logging.WARNING
     log.log(level, "tpfuse: %s in a graph (%s)", summarize(sites), token_range)
+    left = sum(not (s.fused or s.plain) for s in sites)
+    if left and batch_invariant():
+        log.warning("tpfuse: batch-invariant mode: %d all-reduce site(s) of this graph stay on the group's "
+                    "own all-reduce, which is not batch-invariant (the reasons above; docs/determinism.md)",
+                    left)
 
 
 def communicator_limit(group_name: str, hidden: int, dtype: torch.dtype) -> int:
     """The most tokens a call of ``hidden`` x ``dtype`` on the group's registered communicator can fuse;
-    0 when the group has none (or a destroyed one), or the kernels do not take the size."""
+    0 when the group has none (or a destroyed one), or the kernels do not take the size. In
+    batch-invariant mode every size the kernels take: ``patterns.UNBOUNDED_LIMIT``, with or without a
+    communicator (the op then runs in parts, or on its gathered path)."""
     if site_problem("sum", hidden, dtype) is not None:
         return 0
+    if batch_invariant():
+        return UNBOUNDED_LIMIT
     comm = lookup_communicator(group_name)
     return comm.max_token_num(hidden, dtype) if comm is not None and not comm.destroyed else 0
 
@@ -255,5 +266,6 @@ class FusionPass(CustomGraphPass):
         # code, the bounds, and each group's communicator: backend, size and algorithm table).
         bounds = sorted(self.token_bounds.items())
         limits = fusion_signature() if self.fusion_limit is None else f"limit {self.fusion_limit}"
-        key = f"{self._source_hash}|{self.max_tokens}|{bounds}|{limits}|{sorted(self.vllm_groups.items())}"
+        key = (f"{self._source_hash}|{self.max_tokens}|{bounds}|{limits}|{sorted(self.vllm_groups.items())}"
+               f"|invariant={batch_invariant()}")
         return "tpfuse-fusion-" + hashlib.sha256(key.encode()).hexdigest()[:24]

@@ -137,10 +137,18 @@ class Match:
         """The site's token count: an int, or a sympy expression of the graph's size symbols."""
         return token_count(meta_val(self.h).shape)
 
+#: The fusion limit of a site in batch-invariant mode (``ops.determinism``): the op serves every token
+#: count there (in parts of the workspace's rows, or on the gathered path), so no compile range may hand
+#: a site back to the group's all-reduce.
+UNBOUNDED_LIMIT = 2**62
+
+
 def token_limit_problem(tokens, token_bound, fusion_limit: int, how_to_bound: str) -> Reason | None:
     """Why a site of ``tokens`` (an int or an expression) may run with more than ``fusion_limit`` (None: it
     may not); ``token_bound`` as for :meth:`FusionPattern.extra_check`, ``how_to_bound`` what gives a
     graph a bound (for the reason)."""
+    if fusion_limit >= UNBOUNDED_LIMIT:
+        return None
     bound = tokens if isinstance(tokens, int) else token_bound(tokens)
     if bound is None:
         return Reason("tokens", f"the token count {tokens} of this graph is unbounded ({how_to_bound})")

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from tpfuse.kernels.block_end import QUANT_NVFP4, QUANT_STATIC, SCALES_PACKED_UE8M0, SCALES_ROWS, SCALES_SHUFFLED
 from tpfuse.kernels.fp8 import e4m3_bits_to_fp32, fp32_to_e4m3_bits, to_fp8_bits
-from tpfuse.kernels.vendor import fp8_max
+from tpfuse.kernels.vendor import fp8_max, round_to
 
 
 class Params(NamedTuple):
@@ -123,6 +123,17 @@ def _store_normed(h, params, y_ptr, steps, row, offs, mask, hidden, eps, STEPS: 
             _store_fp4(y, y_ptr, steps, row, hidden, STEPS, BLOCK_H)
         else:
             _store_fp8(y, params, y_ptr, steps, row, offs, mask, hidden, STEPS, BLOCK_H)
+
+
+@triton.jit
+def _store_h_and_normed(h, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+    """Store the row's h rounded to h's dtype once (-0.0 made +0.0), and the norm of that rounded h
+    (:func:`_store_normed`): every kernel computes y from the h it returns, so a row's y never depends
+    on the algorithm (docs/determinism.md)."""
+    h, h32 = round_to(h, h_ptr.dtype.element_ty)
+    tl.store(h_ptr + offs, h, mask=mask)
+    _store_normed(h32, params, y_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
 
 
 @triton.jit

@@ -50,13 +50,13 @@ def _word_span(ptrs: np.ndarray, mask: np.ndarray):
 
 
 class _AsmCall:
-    """What the interpreter's ``inline_asm_elementwise`` expects back from the builder: one result."""
+    """What the interpreter's ``inline_asm_elementwise`` expects back from the builder: its results."""
 
-    def __init__(self, result):
-        self._result = result
+    def __init__(self, *results):
+        self._results = results
 
     def get_result(self, index):
-        return self._result
+        return self._results[index]
 
 
 def _float32_to_bfloat16(data: np.ndarray) -> np.ndarray:
@@ -121,6 +121,16 @@ def install() -> None:
 
         if asm == vendor.OPAQUE_ZERO.value:  # the polls' zero that the compiler cannot know
             return _AsmCall(interpreter.TensorHandle(np.zeros(1, np.int32), tl.int32))
+        if asm == vendor.ROUND_BF16_PAIR.value:  # vendor.round_to: bits, -0.0 made +0.0, and as fp32
+            bits = _float32_to_bfloat16(values[0].data)
+            bits = np.where(bits == 0x8000, np.uint16(0), bits)
+            as_fp32 = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+            return _AsmCall(interpreter.TensorHandle(bits, tl.bfloat16), interpreter.TensorHandle(as_fp32, tl.float32))
+        if asm == vendor.ROUND_FP16_PAIR.value:
+            rounded = values[0].data.astype(np.float16)
+            rounded = np.where(rounded == 0, np.float16(0), rounded)
+            return _AsmCall(interpreter.TensorHandle(rounded, tl.float16),
+                            interpreter.TensorHandle(rounded.astype(np.float32), tl.float32))
         if "%globaltimer" not in asm and "s_memrealtime" not in asm:
             return triton_inline_asm(self, asm, constraints, values, type, is_pure, pack)
         # The interpreted arch's timer, as the host computed the deadline (targets.cpu_timer_ticks).

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.epilogue import _before_residual, _load_params, _partial_row, _store_normed
+from tpfuse.kernels.epilogue import _before_residual, _load_params, _partial_row, _store_h_and_normed
 from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
 from tpfuse.kernels.protocol import launch_config
 
@@ -32,8 +32,7 @@ def _local_add_rmsnorm_kernel(
     h = _before_residual(h, params, hidden, eps, STEPS)
     if HAS_RESIDUAL:
         h += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
-    _store_normed(h, params, y_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
+    _store_h_and_normed(h, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
 
 
 _plans: dict = {}

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.epilogue import _before_residual, _load_params, _store_normed
+from tpfuse.kernels.epilogue import _before_residual, _load_params, _store_h_and_normed
 from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
@@ -145,8 +145,7 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         h = _before_residual(h, params, hidden, eps, STEPS)
         if HAS_RESIDUAL:
             h += res
-        tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
-        _store_normed(h, params, y_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
+        _store_h_and_normed(h, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
         row += row_step
     if not CLEAR_FIRST:
         _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)

@@ -14,7 +14,8 @@ from tpfuse.kernels import formats
 from tpfuse.kernels.block_end import FP4_MXFP4, FP4_NONE, FP4_NVFP4, PLAIN, SCALES_ROWS, Epilogue
 from tpfuse.kernels.targets import Fp8Format, fp8_format
 
-__all__ = ["add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64", "rank_part", "unquantised"]
+__all__ = ["add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64", "norm_of", "rank_part", "round_h",
+           "unquantised"]
 
 
 def rank_part(x: torch.Tensor, epilogue: Epilogue = PLAIN, accumulate: torch.dtype = torch.float32) -> torch.Tensor:
@@ -38,29 +39,54 @@ def rank_part(x: torch.Tensor, epilogue: Epilogue = PLAIN, accumulate: torch.dty
     return part.to(x.dtype)
 
 
+#: The row reductions' chunk: torch's CPU reductions split one long row over threads (a row of 65536
+#: alone summed otherwise than in a batch), never a reduction of this many elements.
+_CHUNK = 2048
+
+
+def row_mean(t: torch.Tensor) -> torch.Tensor:
+    """The mean over the last dim, kept, in two stages of at most :data:`_CHUNK` elements (the rest zero
+    padding), so that a row's result does not depend on the rows beside it."""
+    hidden = t.shape[-1]
+    if hidden > _CHUNK:
+        t = torch.nn.functional.pad(t, (0, -hidden % _CHUNK)).unflatten(-1, (-1, _CHUNK)).sum(-1)
+    return t.sum(-1, keepdim=True) / hidden
+
+
 def _rmsnorm(s: torch.Tensor, eps: float) -> torch.Tensor:
-    return s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return s * torch.rsqrt(row_mean(s * s) + eps)
 
 
-def _epilogue(h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-              epilogue: Epilogue) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, h) from the sum ``h``, in ``h``'s floating type (fp32 or float64), before any fp8 step."""
-    dtype = h.dtype
+def _sum_steps(s: torch.Tensor, residual: torch.Tensor | None, eps: float, epilogue: Epilogue) -> torch.Tensor:
+    """h before its rounding: the sum's own steps (+ bias, post-norm) and + residual, in ``s``'s floating
+    type (fp32 or float64)."""
+    dtype = s.dtype
     if epilogue.bias is not None:
-        h = h + epilogue.bias.to(dtype)
+        s = s + epilogue.bias.to(dtype)
     if epilogue.sum_weight is not None:
-        h = _rmsnorm(h, eps) * epilogue.sum_weight.to(dtype)
+        s = _rmsnorm(s, eps) * epilogue.sum_weight.to(dtype)
     if residual is not None:
-        h = h + residual.to(dtype)
-    if not epilogue.normed:
-        return h, h
+        s = s + residual.to(dtype)
+    return s
+
+
+def round_h(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``h`` rounded to ``dtype`` once, with -0.0 made +0.0 (as every kernel returns it: the two-shot
+    cannot send -0.0, its sentinel)."""
+    h = h.to(dtype)
+    return torch.where(h == 0, torch.zeros_like(h), h)
+
+
+def norm_of(h: torch.Tensor, weight: torch.Tensor, eps: float, epilogue: Epilogue) -> torch.Tensor:
+    """y from the (rounded) ``h``: the block end's RMSNorm or LayerNorm in ``h``'s floating type (fp32 or
+    float64), before any quantisation."""
+    dtype = h.dtype
     if epilogue.layer_norm:
-        y = _rmsnorm(h - h.mean(dim=-1, keepdim=True), eps) * weight.to(dtype)
+        y = _rmsnorm(h - row_mean(h), eps) * weight.to(dtype)
         if epilogue.norm_bias is not None:
             y = y + epilogue.norm_bias.to(dtype)
-    else:
-        y = _rmsnorm(h, eps) * weight.to(dtype)
-    return y, h
+        return y
+    return _rmsnorm(h, eps) * weight.to(dtype)
 
 
 def dynamic_fp8(y: torch.Tensor, group: int, fmt: Fp8Format | None = None,
@@ -92,12 +118,16 @@ def add_rmsnorm_reference(
 
     Returns ``(y, h, scales)``: ``h`` in ``out_dtype`` (default ``reduced.dtype``), ``y`` in that dtype
     or the device's fp8 (``targets.fp8_format``: float8_e4m3fn, float8_e4m3fnuz on gfx942) when the
-    block end quantises (dynamic fp8: then ``scales``, else None). ``y`` is
-    computed from the fp32 ``h``, as the one-shot kernel does (the two-shot computes it from the
-    rounded ``h`` that travels).
+    block end quantises (dynamic fp8: then ``scales``, else None). ``y`` is computed from the rounded
+    ``h`` it returns, as every kernel computes it (docs/determinism.md). The row reductions are
+    torch's, so the bits can differ from the kernels' in the last place: the batch-invariant
+    fallback (``ops.route``) runs the local kernel where the kernels run.
     """
     out_dtype = out_dtype or reduced.dtype
-    y, h = _epilogue(reduced.float(), residual, weight, eps, epilogue)
+    h = round_h(_sum_steps(reduced.float(), residual, eps, epilogue), out_dtype)
+    if not epilogue.normed:
+        return h, h, None
+    y = norm_of(h.float(), weight, eps, epilogue)
     scales = None
     if epilogue.fp4 == FP4_NVFP4:
         y, scales = formats.nvfp4(y, epilogue.global_scale)
@@ -111,7 +141,7 @@ def add_rmsnorm_reference(
         scales = formats.in_layout(epilogue, scales)
     else:
         y = y.to(out_dtype)
-    return y, h.to(out_dtype), scales
+    return y, h, scales
 
 
 def unquantised(epilogue: Epilogue) -> Epilogue:
@@ -131,11 +161,15 @@ def fused_reference_float64(
     """The whole op in float64 from every rank's part (after a MoE finalize: :func:`rank_part` in
     float64; ``epilogue``'s finalize tensors are not read): the oracle tests compare against.
 
-    Returns float64 ``(y, h)``; with a static scale ``y`` is divided by it and clamped to the largest
+    Returns float64 ``(y, h)``: ``h`` unrounded, ``y`` the norm of ``h`` rounded to the inputs' dtype
+    (the contract: y is the norm of the h the op returns); with a static scale ``y`` is divided by it and clamped to the largest
     value of ``fmt`` (default: the fp8 format of ``xs``' device, ``targets.fp8_format``), but not
     rounded to fp8; a dynamic fp8 block end does not change ``y`` (compare ``q * scales`` with it).
     """
-    y, h = _epilogue(torch.stack([x.double() for x in xs]).sum(0), residual, weight, eps, epilogue)
+    h = _sum_steps(torch.stack([x.double() for x in xs]).sum(0), residual, eps, epilogue)
+    if not epilogue.normed:
+        return h, h
+    y = norm_of(round_h(h, xs[0].dtype).double(), weight, eps, epilogue)
     if epilogue.quant_scale is not None:
         fp8_max = (fmt or fp8_format(xs[0].device)).max
         y = (y / epilogue.quant_scale.double()).clamp(-fp8_max, fp8_max)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.epilogue import _before_residual, _load_params, _partial_row, _store_normed
+from tpfuse.kernels.epilogue import _before_residual, _load_params, _partial_row, _store_h_and_normed
 from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
@@ -52,12 +52,9 @@ def _owner(row, n_programs, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _store_h_and_normed(h_bits, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
-    """Store the rounded h and the y computed from it: the same code on the owner and on its peers."""
-    h = h_bits.to(h_ptr.dtype.element_ty, bitcast=True)
-    tl.store(h_ptr + offs, h, mask=mask)
-    _store_normed(h.to(tl.float32), params, y_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
+def _as_h(h_bits, h_ptr):
+    """A rounded h row that travelled as 16-bit words, as h's dtype."""
+    return h_bits.to(h_ptr.dtype.element_ty, bitcast=True)
 
 
 @triton.jit
@@ -134,8 +131,7 @@ def _store_from_sum(s, residual_ptr, params, y_ptr, h_ptr, steps, row, offs, mas
     h = _before_residual(s, params, hidden, eps, STEPS)
     if HAS_RESIDUAL:
         h += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    h_bits = h.to(h_ptr.dtype.element_ty).to(tl.int16, bitcast=True)
-    _store_h_and_normed(h_bits, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
+    _store_h_and_normed(h, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
 
 
 @triton.jit
@@ -173,7 +169,8 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, steps, peer_ptrs_ptr, own_s
                 # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
                 h_bits = _sendable(acc.to(h_ptr.dtype.element_ty).to(tl.int16, bitcast=True))
                 _send_to_peers(peer_ptrs_ptr, send_base + offs, h_bits, mask, RANK, WORLD)
-                _store_h_and_normed(h_bits, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS,
+                _store_h_and_normed(_as_h(h_bits, h_ptr), params, y_ptr, h_ptr, steps, row, offs, mask, hidden,
+                                    eps, STEPS,
                                     BLOCK_H)
         i += 1
     return failed
@@ -201,7 +198,8 @@ def _gather_others(residual_ptr, y_ptr, h_ptr, steps, own_slot, params, hidden, 
                 h_bits, missing = _wait_row(own_slot + owner * region_elems + offs, mask, deadline)
                 failed |= missing
                 h_bits = tl.where(failed > 0, _nan_bits(h_ptr), h_bits)  # as _poisoned, for words
-                _store_h_and_normed(h_bits, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS,
+                _store_h_and_normed(_as_h(h_bits, h_ptr), params, y_ptr, h_ptr, steps, row, offs, mask, hidden,
+                                    eps, STEPS,
                                     BLOCK_H)
         i += 1
     return failed

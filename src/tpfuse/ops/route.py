@@ -5,7 +5,10 @@ communicator stay: the group's name and size, its communicator (or None) and, fo
 rank, the kernel that does the block end alone. :meth:`Route.run` sends a checked call the way it
 goes (``select.ROUTES``): the local kernel, one fused call (one-shot or two-shot, as the communicator
 plans it and keeps the plan), fused calls of the workspace's rows (a call larger than it), or the
-reference path (the group's own all-reduce in fp32, then the block end in torch).
+reference path (the group's own all-reduce in fp32, then the block end in torch). In batch-invariant
+mode (``ops.determinism``) every call that tpfuse's kernels do not run takes the gathered path instead:
+every rank's part all-gathered and summed in ascending rank order in fp32, then the kernels' block end
+(the local kernel where the kernels run, else torch), so a row's bits never depend on the path.
 
 The one eviction rule: a group's route is rebuilt at its next call when the communicator registered
 for the group is not the one the route holds (one was created or destroyed since), or when the name
@@ -14,6 +17,8 @@ comes back with a new group object (torch numbers groups again once the default 
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import time
 
@@ -25,10 +30,16 @@ from tpfuse.comm import agreement
 from tpfuse.comm.communicator import (CallPlan, Communicator, default_wait_timeout_s, group_device,
                                       lookup_communicator, resolve_group)
 from tpfuse.kernels import formats, kernels_usable
+from tpfuse.kernels.block_end import Epilogue
 from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.reference import add_rmsnorm_reference, rank_part, unquantised
+from tpfuse.ops.determinism import batch_invariant
 
+log = logging.getLogger(__name__)
 _LOCAL, _REFERENCE = CallPlan(select.LOCAL), CallPlan(select.REFERENCE)
+#: The reference route in batch-invariant mode (``Route._run_gathered``): a plan of its own, so that the
+#: mode is decided once a call.
+_GATHERED = CallPlan(select.REFERENCE, chunk_rows=-1)
 
 
 class Route:
@@ -51,6 +62,9 @@ class Route:
         self._comm_device = None if comm is None else -1 if comm.device.type == "cpu" else comm.device.index
         # Debug mode (read when the route is made, at the group's first call).
         self._debug = os.environ.get("TPFUSE_DEBUG") == "1"
+        # Whether the communicator's fused calls are batch-invariant: tpfuse's kernels, exact (not
+        # FlashInfer's, whose norm changes with the token count, nor the lossy fp8 wire).
+        self._invariant_fused = comm is not None and comm.backend == "triton" and comm.compress is None
 
     def plan(self, call: FusedCall) -> CallPlan:
         """How ``call`` runs (``CallPlan.route``, one of ``select.ROUTES``): the communicator's plan where
@@ -59,9 +73,15 @@ class Route:
         if x.get_device() == self._comm_device:
             comm.check_usable()
             plan = comm.plan(call)
-            if plan.route != select.REFERENCE:
+            if plan.route != select.REFERENCE and (self._invariant_fused or not batch_invariant()):
                 return plan
-        return _LOCAL if x.dtype is not torch.float32 and self.local_kernel(x.device) is not None else _REFERENCE
+            if plan.route != select.REFERENCE:
+                _say_once(f"tpfuse: group {self.group_name!r}: batch-invariant mode: the communicator's "
+                          f"{comm.backend} backend{' with the fp8 wire' if comm.compress else ''} is not "
+                          "batch-invariant; its calls take the gathered path (docs/determinism.md)")
+        if x.dtype is not torch.float32 and self.local_kernel(x.device) is not None:
+            return _LOCAL
+        return _GATHERED if self.world_size > 1 and batch_invariant() else _REFERENCE
 
     def local_kernel(self, device: torch.device):
         """``kernels.local.local_add_rmsnorm`` where the group has one rank and the kernels run on
@@ -83,6 +103,8 @@ class Route:
         elif route == select.LOCAL:
             self._local[call.x.device](call)
             _stats.record("triton.local")
+        elif plan is _GATHERED:
+            self._run_gathered(call)
         elif route == select.REFERENCE:
             self._run_reference(call)
         else:
@@ -130,21 +152,111 @@ class Route:
         reduced = rank_part(x, epilogue).to(torch.float32, copy=True)
         if self.world_size > 1:
             agreement.all_reduce(reduced, group, timeout if checking else None, "a reference-path all-reduce")
-        y, h, scales = add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype, epilogue)
-        call.y.copy_(y)
-        call.h.copy_(h)
-        if scales is not None:
-            call.scales.copy_(scales)
-        if call.normed is not None:
-            call.normed.copy_(add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype,
-                                                    unquantised(epilogue))[0])
+        _block_end_in_torch(call, reduced)
         _stats.record("reference")
+
+    def _run_gathered(self, call: FusedCall) -> None:
+        """The reference path in batch-invariant mode: the kernels' bits without the kernels' workspace.
+
+        Each rank's part (x, or its MoE finalize, rounded to x's dtype as the kernels send it) is
+        all-gathered, never all-reduced (the group's all-reduce sums in an order that follows the
+        message size), and summed in ascending rank order in fp32 as every kernel does; the rest of the
+        block end (bias, post-norm, + residual, one rounding of h, the norm of that rounded h, any
+        quantisation) is the local kernel's where the kernels run, else torch's.
+        """
+        x, comm = call.x, self.comm
+        group = _group_by_name(self.group_name)
+        checking = self._checking(x)
+        timeout = comm.wait_timeout_s if comm is not None else default_wait_timeout_s()
+        if checking:
+            agreement.check_reference_call(group, group_device(group), call.describe(), timeout)
+        if call.n_tokens == 0:
+            return
+        part = part_as_sent(call)
+        parts = agreement.all_gather(part.contiguous().view(torch.uint8), group, timeout if checking else None,
+                                     "a batch-invariant all-gather")
+        block_end_of_parts(call, [p.view(x.dtype) for p in parts])
+        _stats.record("gathered")
 
     def _checking(self, x: torch.Tensor) -> bool:
         """Whether a call of ``x`` is checked for errors after it runs, waiting for the host: always on the
         CPU, on a GPU only in debug mode (``TPFUSE_DEBUG=1``: it synchronises), never while a CUDA graph
         is captured."""
         return x.is_cpu or (self._debug and not torch.cuda.is_current_stream_capturing())
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        log.warning(message)
+
+
+def part_as_sent(call: FusedCall) -> torch.Tensor:
+    """This rank's part of the sum as the kernels send it: ``x``, or its MoE finalize rounded to x's dtype
+    (by the local kernel where the kernels run: their fp32 order and contractions; else in torch)."""
+    x, epilogue = call.x, call.epilogue
+    if not (epilogue.experts or epilogue.shared_expert is not None):
+        return x
+    kernel = _local_kernel_for(x)
+    if kernel is None:
+        return rank_part(x, epilogue)
+    part = torch.empty(x.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
+    kernel(FusedCall(x, None, call.weight, call.eps, part, part, _finalize_only(epilogue)))
+    return part
+
+
+def block_end_of_parts(call: FusedCall, parts: list[torch.Tensor]) -> None:
+    """``call``'s outputs from every rank's part (:func:`part_as_sent`, in rank order): the fp32 sum in
+    ascending rank order, one add a rank, as every kernel sums; then the rest of the block end by the
+    local kernel where the kernels run (the same code as theirs), else in torch."""
+    x, epilogue = call.x, call.epilogue
+    if epilogue.experts or epilogue.shared_expert is not None:
+        epilogue = _without_finalize(epilogue)
+    total = torch.zeros(parts[0].shape, dtype=torch.float32, device=x.device)
+    for part in parts:
+        total += part.float()
+    kernel = _local_kernel_for(x)
+    if kernel is not None and x.dtype is not torch.float32:
+        kernel(call._replace(x=total, epilogue=epilogue))
+    else:
+        _block_end_in_torch(call._replace(epilogue=epilogue), total)
+
+
+def _block_end_in_torch(call: FusedCall, reduced: torch.Tensor) -> None:
+    """The block end of the fp32 sum ``reduced`` in torch (``add_rmsnorm_reference``), into ``call``'s
+    outputs."""
+    x, epilogue = call.x, call.epilogue
+    y, h, scales = add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype, epilogue)
+    call.y.copy_(y)
+    call.h.copy_(h)
+    if scales is not None:
+        call.scales.copy_(scales)
+    if call.normed is not None:
+        call.normed.copy_(add_rmsnorm_reference(reduced, call.residual, call.weight, call.eps, x.dtype,
+                                                unquantised(epilogue))[0])
+
+
+def _local_kernel_for(x: torch.Tensor):
+    """``kernels.local.local_add_rmsnorm`` where the kernels run on ``x``'s device, else None."""
+    if not kernels_usable(x.device):
+        return None
+    from tpfuse.kernels.local import local_add_rmsnorm
+
+    return local_add_rmsnorm
+
+
+def _without_finalize(epilogue: Epilogue) -> Epilogue:
+    """``epilogue`` after the sum: its MoE finalize already applied to each rank's part."""
+    return dataclasses.replace(epilogue, experts=0, topk_weights=None, shared_expert=None)
+
+
+def _finalize_only(epilogue: Epilogue) -> Epilogue:
+    """The MoE finalize of ``epilogue`` alone: h is the rank's part, rounded to x's dtype."""
+    return Epilogue(experts=epilogue.experts, topk_weights=epilogue.topk_weights,
+                    shared_expert=epilogue.shared_expert, normed=False)
 
 
 _routes: dict[str, Route] = {}

@@ -283,3 +283,38 @@ def check_case_runs(world_size: int, cases: list[Case], results: list[dict], ker
         else:
             assert all(s == {("triton.local" if route == "local" else "reference"): 1} for s in ran), ran
         assert all(s == {"reference": 1} for s in rest), rest
+
+
+# One token, one answer (docs/determinism.md): the same rows in batches of other sizes and places.
+
+
+def batch_inputs(inputs: dict, first: int, rows: int) -> dict:
+    """``inputs`` (``Case.inputs``) for rows ``first:first + rows``: every per-row tensor sliced."""
+    part = slice(first, first + rows)
+
+    def rows_of(t):
+        return None if t is None else t[part]
+
+    sliced = dict(inputs)
+    sliced["xs"] = [x[part] for x in inputs["xs"]]
+    sliced["residual"] = rows_of(inputs["residual"])
+    sliced["topk_weights"] = rows_of(inputs["topk_weights"])
+    sliced["shared"] = None if inputs["shared"] is None else [s[part] for s in inputs["shared"]]
+    return sliced
+
+
+def row_outputs(case: Case, inputs: dict, outputs: tuple, rows: int) -> list[dict]:
+    """A call's outputs row by row: each as bytes (scales decoded to their float values, exactly)."""
+    y, h, *extra = outputs
+    scales, normed = (list(extra) + [None, None])[:2]
+    if scales is not None:
+        scales = formats.scales_as_float(case.epilogue(inputs), scales, rows, case.hidden)
+    per_row = []
+    for i in range(rows):
+        row = {"y": y[i], "h": h[i]}
+        if scales is not None:
+            row["scales"] = scales[i]
+        if normed is not None:
+            row["normed"] = normed[i]
+        per_row.append({name: t.contiguous().view(torch.uint8).cpu().clone() for name, t in row.items()})
+    return per_row
