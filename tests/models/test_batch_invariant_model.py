@@ -1,9 +1,10 @@
 """A compiled model in batch-invariant mode: a prompt's logits are the same bits alone, batched with other
 prompts, and batched above the fusion limit (docs/determinism.md).
 
-tpfuse's Llama (random weights) compiled with ``tpfuse.compile`` on 2 and 3 CPU ranks, its all-reduce
-sites fused: a prompt of 3 tokens alone runs the one-shot, in a batch of 2 prompts the two-shot, in a
-batch of 4 (12 tokens, over the 8 rows of the workspace) fused calls of the workspace's rows. The
+tpfuse's Llama (random weights, one layer) compiled with ``tpfuse.compile`` on 2 and 3 CPU ranks, its
+all-reduce sites fused: a prompt of 3 tokens alone runs the one-shot, in a batch of 2 prompts the
+two-shot, in a batch of 4 (12 tokens, over the 8 rows of the workspace) fused calls of the workspace's
+rows. The
 model's other ops on the CPU (its matmuls, attention and the vocabulary gather) are row-independent
 here, so any difference would come from the all-reduce sites; outside the mode the batch of 4 runs
 the plain graph (the group's all-reduce and Inductor's norm).
@@ -26,7 +27,7 @@ def _logits_of_the_first_prompt(rank, world_size, invariant):
 
     tpfuse.set_batch_invariant(invariant)
     # 6 heads and 258 words split over 2 or 3 ranks
-    model = Transformer.build("tiny", n_layers=2, dim=96, n_heads=6, n_kv_heads=6, intermediate=192,
+    model = Transformer.build("tiny", n_layers=1, dim=96, n_heads=6, n_kv_heads=6, intermediate=192,
                               vocab_size=258)
     # Ranks compile at their own pace (3 on 2 cores): a first fused call may wait a while for its peers.
     comm = tpfuse.get_communicator(max_tokens=WORKSPACE_ROWS, hidden=96, wait_timeout_s=300)
@@ -46,10 +47,11 @@ def _logits_of_the_first_prompt(rank, world_size, invariant):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_prompts_logits_do_not_depend_on_its_batch(rank_pool, world_size):
-    results = rank_pool(world_size).run(_logits_of_the_first_prompt, True)
+    # Inductor compiles on every rank, in the interpreter's company: minutes on 2 cores
+    results = rank_pool(world_size).run(_logits_of_the_first_prompt, True, timeout=1200)
     for rank, out in enumerate(results):
-        # 2 layers x 2 sites a call: one fused call each, two parts each over the workspace
-        assert out["fused"] == [4, 4, 8], (rank, out["fused"])
+        # 2 sites a call: one fused call each, two parts each over the workspace
+        assert out["fused"] == [2, 2, 4], (rank, out["fused"])
         alone = out["logits"][0]
         for batch, logits in zip(BATCHES, out["logits"]):
             assert torch.equal(logits, alone), (

@@ -53,7 +53,8 @@ AT_MORE_RANKS = ("rmsnorm", "post_norm", "dynamic_fp8_group", "nvfp4", "moe_fina
 def _rows_in_batches(rank, world_size, names, gathered):
     """Every block end of ``names``, its rows in :data:`BATCHES`, through the public API on a new group:
     with a communicator (``gathered`` False: the kernels), or in batch-invariant mode without one (the
-    gathered path). Returns {name: {"rows": {(first, rows): [per-row bytes]}, "stats": [...], "calls": ...}}."""
+    gathered path). Returns {name: {"rows": {(first, rows): [per-row bytes]}, "stats": [...],
+    "calls": ...}}."""
     import torch.distributed as dist
 
     import tpfuse
@@ -87,8 +88,9 @@ def _rows_in_batches(rank, world_size, names, gathered):
 
 def _call_outputs(case: Case, inputs: dict) -> dict:
     """What the main process needs to check y against the norm of h: the norm's inputs."""
-    return {"weight": inputs["weight"], "epilogue_norm": (case.layer_norm, inputs["norm_bias"]), "eps": case.eps,
-            "normed": case.normed, "quantised": bool(case.fp4 or case.scale_group or case.quant_scale)}
+    return {"weight": inputs["weight"], "epilogue_norm": (case.layer_norm, inputs["norm_bias"]),
+            "eps": case.eps, "normed": case.normed,
+            "quantised": bool(case.fp4 or case.scale_group or case.quant_scale)}
 
 
 def _check_invariant(world_size: int, names, kernel_runs: list[dict], gathered_runs: list[dict] | None):
@@ -136,8 +138,9 @@ def _check_y_is_the_norm_of_h(names, runs: list[dict]):
                                           torch.tensor(info.tiny, dtype=torch.float64)) * info.eps / 2
                 bad = (got - wanted).abs() > half_step * (1 + 2.0 ** -10) + 1e-30
                 assert not bad.any(), (
-                    f"{name}: row {first + i} (batch {first}:{first + rows}): y is not the norm of the returned "
-                    f"h at {bad.sum().item()} places, e.g. {got[bad][0].item()} vs {wanted[bad][0].item()}")
+                    f"{name}: row {first + i} (batch {first}:{first + rows}): y is not the norm of the "
+                    f"returned h at {bad.sum().item()} places, e.g. {got[bad][0].item()} vs "
+                    f"{wanted[bad][0].item()}")
 
 
 def _routes(stats: list[dict]) -> list[str]:

@@ -14,11 +14,16 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tpfuse import _stats
-from tpfuse.compiler import vllm_sites
 from tpfuse.comm.communicator import fusion_signature, lookup_communicator
+from tpfuse.compiler import vllm_sites
 from tpfuse.compiler.matchers import ALL_REDUCE, WAIT, meta_val
 from tpfuse.compiler.patterns import (
-    PATTERNS, UNBOUNDED_LIMIT, Match, plain_all_reduce_problem, replace_with_plain_all_reduce, site_problem,
+    PATTERNS,
+    UNBOUNDED_LIMIT,
+    Match,
+    plain_all_reduce_problem,
+    replace_with_plain_all_reduce,
+    site_problem,
     unmatched_reason,
 )
 from tpfuse.compiler.reasons import Reason, no_communicator

@@ -11,7 +11,13 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.block_end import QUANT_NVFP4, QUANT_STATIC, SCALES_PACKED_UE8M0, SCALES_ROWS, SCALES_SHUFFLED
+from tpfuse.kernels.block_end import (
+    QUANT_NVFP4,
+    QUANT_STATIC,
+    SCALES_PACKED_UE8M0,
+    SCALES_ROWS,
+    SCALES_SHUFFLED,
+)
 from tpfuse.kernels.fp8 import e4m3_bits_to_fp32, fp32_to_e4m3_bits, to_fp8_bits
 from tpfuse.kernels.vendor import fp8_max, round_to
 

@@ -125,7 +125,8 @@ def install() -> None:
             bits = _float32_to_bfloat16(values[0].data)
             bits = np.where(bits == 0x8000, np.uint16(0), bits)
             as_fp32 = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
-            return _AsmCall(interpreter.TensorHandle(bits, tl.bfloat16), interpreter.TensorHandle(as_fp32, tl.float32))
+            return _AsmCall(interpreter.TensorHandle(bits, tl.bfloat16),
+                            interpreter.TensorHandle(as_fp32, tl.float32))
         if asm == vendor.ROUND_FP16_PAIR.value:
             rounded = values[0].data.astype(np.float16)
             rounded = np.where(rounded == 0, np.float16(0), rounded)

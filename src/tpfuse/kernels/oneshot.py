@@ -36,10 +36,24 @@ from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.epilogue import _before_residual, _load_params, _store_h_and_normed
 from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
 from tpfuse.kernels.layout import LaunchContext
-from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
-                                     _multiple_of_8, _partial_bits, _peer_base, _send_to_peers, _slots,
-                                     _start_clock, _sum_in_rank_order, call_constexprs, call_scalars,
-                                     launch_config, workspace_tensors)
+from tpfuse.kernels.protocol import (
+    MAX_WARPS,
+    _check_peers,
+    _clear_slot,
+    _descriptors,
+    _finish_call,
+    _multiple_of_8,
+    _partial_bits,
+    _peer_base,
+    _send_to_peers,
+    _slots,
+    _start_clock,
+    _sum_in_rank_order,
+    call_constexprs,
+    call_scalars,
+    launch_config,
+    workspace_tensors,
+)
 from tpfuse.kernels.vendor import pdl_start
 
 

@@ -14,11 +14,12 @@ from tpfuse.kernels import formats
 from tpfuse.kernels.block_end import FP4_MXFP4, FP4_NONE, FP4_NVFP4, PLAIN, SCALES_ROWS, Epilogue
 from tpfuse.kernels.targets import Fp8Format, fp8_format
 
-__all__ = ["add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64", "norm_of", "rank_part", "round_h",
-           "unquantised"]
+__all__ = ["add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64", "norm_of", "rank_part",
+           "round_h", "unquantised"]
 
 
-def rank_part(x: torch.Tensor, epilogue: Epilogue = PLAIN, accumulate: torch.dtype = torch.float32) -> torch.Tensor:
+def rank_part(x: torch.Tensor, epilogue: Epilogue = PLAIN,
+              accumulate: torch.dtype = torch.float32) -> torch.Tensor:
     """What one rank contributes to the sum: x [T, H] itself, or a MoE finalize's
     ``sum_k topk_weights[:, k] * x[:, k] + shared_expert`` (x [T, K, H]) computed in ``accumulate``
     (float32 as the kernels, float64 for the oracle) and rounded to x's dtype, as the kernels send it
@@ -57,7 +58,8 @@ def _rmsnorm(s: torch.Tensor, eps: float) -> torch.Tensor:
     return s * torch.rsqrt(row_mean(s * s) + eps)
 
 
-def _sum_steps(s: torch.Tensor, residual: torch.Tensor | None, eps: float, epilogue: Epilogue) -> torch.Tensor:
+def _sum_steps(s: torch.Tensor, residual: torch.Tensor | None, eps: float,
+               epilogue: Epilogue) -> torch.Tensor:
     """h before its rounding: the sum's own steps (+ bias, post-norm) and + residual, in ``s``'s floating
     type (fp32 or float64)."""
     dtype = s.dtype
@@ -162,9 +164,10 @@ def fused_reference_float64(
     float64; ``epilogue``'s finalize tensors are not read): the oracle tests compare against.
 
     Returns float64 ``(y, h)``: ``h`` unrounded, ``y`` the norm of ``h`` rounded to the inputs' dtype
-    (the contract: y is the norm of the h the op returns); with a static scale ``y`` is divided by it and clamped to the largest
-    value of ``fmt`` (default: the fp8 format of ``xs``' device, ``targets.fp8_format``), but not
-    rounded to fp8; a dynamic fp8 block end does not change ``y`` (compare ``q * scales`` with it).
+    (the contract: y is the norm of the h the op returns); with a static scale ``y`` is divided by it
+    and clamped to the largest value of ``fmt`` (default: the fp8 format of ``xs``' device,
+    ``targets.fp8_format``), but not rounded to fp8; a dynamic fp8 block end does not change ``y``
+    (compare ``q * scales`` with it).
     """
     h = _sum_steps(torch.stack([x.double() for x in xs]).sum(0), residual, eps, epilogue)
     if not epilogue.normed:

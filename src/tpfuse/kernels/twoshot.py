@@ -37,11 +37,28 @@ from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.epilogue import _before_residual, _load_params, _partial_row, _store_h_and_normed
 from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
 from tpfuse.kernels.layout import LaunchContext
-from tpfuse.kernels.protocol import (MAX_WARPS, _check_peers, _clear_slot, _descriptors, _finish_call,
-                                     _multiple_of_8, _nan_bits, _partial_bits, _peer_base, _poisoned,
-                                     _send_to_peers, _sendable, _slots, _start_clock, _sum_in_rank_order,
-                                     _wait_row, call_constexprs, call_scalars, launch_config,
-                                     workspace_tensors)
+from tpfuse.kernels.protocol import (
+    MAX_WARPS,
+    _check_peers,
+    _clear_slot,
+    _descriptors,
+    _finish_call,
+    _multiple_of_8,
+    _nan_bits,
+    _partial_bits,
+    _peer_base,
+    _poisoned,
+    _send_to_peers,
+    _sendable,
+    _slots,
+    _start_clock,
+    _sum_in_rank_order,
+    _wait_row,
+    call_constexprs,
+    call_scalars,
+    launch_config,
+    workspace_tensors,
+)
 from tpfuse.kernels.vendor import store_shared
 from tpfuse.kernels.wire import _WIRE_BLOCK, _decode, _encode, wire_supported
 
@@ -169,9 +186,8 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, steps, peer_ptrs_ptr, own_s
                 # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
                 h_bits = _sendable(acc.to(h_ptr.dtype.element_ty).to(tl.int16, bitcast=True))
                 _send_to_peers(peer_ptrs_ptr, send_base + offs, h_bits, mask, RANK, WORLD)
-                _store_h_and_normed(_as_h(h_bits, h_ptr), params, y_ptr, h_ptr, steps, row, offs, mask, hidden,
-                                    eps, STEPS,
-                                    BLOCK_H)
+                _store_h_and_normed(_as_h(h_bits, h_ptr), params, y_ptr, h_ptr, steps, row, offs, mask,
+                                    hidden, eps, STEPS, BLOCK_H)
         i += 1
     return failed
 
@@ -198,9 +214,8 @@ def _gather_others(residual_ptr, y_ptr, h_ptr, steps, own_slot, params, hidden, 
                 h_bits, missing = _wait_row(own_slot + owner * region_elems + offs, mask, deadline)
                 failed |= missing
                 h_bits = tl.where(failed > 0, _nan_bits(h_ptr), h_bits)  # as _poisoned, for words
-                _store_h_and_normed(_as_h(h_bits, h_ptr), params, y_ptr, h_ptr, steps, row, offs, mask, hidden,
-                                    eps, STEPS,
-                                    BLOCK_H)
+                _store_h_and_normed(_as_h(h_bits, h_ptr), params, y_ptr, h_ptr, steps, row, offs, mask,
+                                    hidden, eps, STEPS, BLOCK_H)
         i += 1
     return failed
 

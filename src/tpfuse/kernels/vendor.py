@@ -123,12 +123,12 @@ def round_to(v, DTYPE: tl.constexpr):
         rounded = tl.where(rounded == 0, tl.zeros_like(rounded), rounded)
         return rounded, rounded.to(tl.float32)
     elif DTYPE == tl.bfloat16:
-        return tl.inline_asm_elementwise(ROUND_BF16_PAIR, "=r,=r,=r,r,r", [v], dtype=(tl.bfloat16, tl.float32),
-                                         is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(ROUND_BF16_PAIR, "=r,=r,=r,r,r", [v],
+                                         dtype=(tl.bfloat16, tl.float32), is_pure=True, pack=2)
     else:
         tl.static_assert(DTYPE == tl.float16, "h is bfloat16 or float16")
-        return tl.inline_asm_elementwise(ROUND_FP16_PAIR, "=r,=r,=r,r,r", [v], dtype=(tl.float16, tl.float32),
-                                         is_pure=True, pack=2)
+        return tl.inline_asm_elementwise(ROUND_FP16_PAIR, "=r,=r,=r,r,r", [v],
+                                         dtype=(tl.float16, tl.float32), is_pure=True, pack=2)
 
 
 #: An assembly statement the compiler must run at every poll, whose result (zero) it cannot know.

@@ -27,8 +27,14 @@ import torch.distributed as dist
 
 from tpfuse import _stats, select
 from tpfuse.comm import agreement
-from tpfuse.comm.communicator import (CallPlan, Communicator, default_wait_timeout_s, group_device,
-                                      lookup_communicator, resolve_group)
+from tpfuse.comm.communicator import (
+    CallPlan,
+    Communicator,
+    default_wait_timeout_s,
+    group_device,
+    lookup_communicator,
+    resolve_group,
+)
 from tpfuse.kernels import formats, kernels_usable
 from tpfuse.kernels.block_end import Epilogue
 from tpfuse.kernels.call import FusedCall
@@ -173,8 +179,8 @@ class Route:
         if call.n_tokens == 0:
             return
         part = part_as_sent(call)
-        parts = agreement.all_gather(part.contiguous().view(torch.uint8), group, timeout if checking else None,
-                                     "a batch-invariant all-gather")
+        parts = agreement.all_gather(part.contiguous().view(torch.uint8), group,
+                                     timeout if checking else None, "a batch-invariant all-gather")
         block_end_of_parts(call, [p.view(x.dtype) for p in parts])
         _stats.record("gathered")
 
