@@ -25,5 +25,6 @@ from tpfuse.compiler.backend import (
 from tpfuse.compiler.fusion_pass import FusionPass, SiteReport
 from tpfuse.compiler.patterns import PATTERNS, FusionPattern, Match
 
-__all__ = ["CompiledFunction", "CompiledModel", "Explanation", "FusionPass", "FusionPattern", "Match", "PATTERNS", "SiteReport",
+__all__ = ["CompiledFunction", "CompiledModel", "Explanation", "FusionPass", "FusionPattern", "Match",
+           "PATTERNS", "SiteReport",
            "TpfuseBackend", "compile", "compile_config", "explain", "inductor_options_for_mode"]
