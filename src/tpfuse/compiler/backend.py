@@ -90,7 +90,8 @@ def plan_graph(gm: torch.fx.GraphModule) -> GraphPlan:
     for group_name, reduce_op, value in dynamo_all_reduces(gm):
         hidden = static_int(value.shape[-1]) if value.dim() >= 2 else None
         if hidden is None:
-            limit, reason = 0, Reason("hidden", "the all-reduced tensor is not [..., hidden] with a static hidden size")
+            limit, reason = 0, Reason("hidden",
+                                      "the all-reduced tensor is not [..., hidden] with a static hidden size")
         else:
             limit, reason = site_limit(group_name, reduce_op, hidden, value.dtype)
         tokens = token_count(value.shape)
@@ -340,7 +341,8 @@ class CompiledModel:
 
         @functools.wraps(method)
         def run(*args, **kwargs):
-            if model._compiled_call_impl is not None:  # already routed (a nested call), or nn.Module.compile()
+            # already routed (a nested call), or nn.Module.compile()
+            if model._compiled_call_impl is not None:
                 result = method(*args, **kwargs)
             else:
                 # nn.Module.__call__ runs _compiled_call_impl when it is set (nn.Module.compile() uses it):
@@ -445,7 +447,8 @@ def compile(model_or_fn, *, mode: str | None = None, dynamic: bool = True, **tor
     if isinstance(model_or_fn, torch.nn.Module):
         # The model's _call_impl (hooks and forward), as nn.Module.compile() does: the wrapper can then route
         # the model's own calls of itself (generate's) through the compiled call without recursion.
-        compiled = torch.compile(model_or_fn._call_impl, backend=backend, dynamic=dynamic, **torch_compile_kwargs)
+        compiled = torch.compile(model_or_fn._call_impl, backend=backend,
+                                 dynamic=dynamic, **torch_compile_kwargs)
         return CompiledModel(model_or_fn, compiled, backend)
     compiled = torch.compile(model_or_fn, backend=backend, dynamic=dynamic, **torch_compile_kwargs)
     return CompiledFunction(model_or_fn, compiled, backend)
@@ -478,12 +481,14 @@ def compile_config(model: torch.nn.Module, *, mode: str | None = "reduce-overhea
     if dynamic:
         raise ValueError("tpfuse.compile_config: dynamic=True makes a norm's float eps a graph input under "
                          "Hugging Face's compile (torch._dynamo.config.specialize_float is off there), so no "
-                         "site would fuse; keep dynamic=None (decode shapes are static), or use tpfuse.compile(model)")
+                         "site would fuse; keep dynamic=None (decode shapes are static), or "
+                         "use tpfuse.compile(model)")
     hooked = [name for name, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
     if hooked:
         raise ValueError(f"tpfuse.compile_config: {', '.join(hooked[:4])}{' ...' if len(hooked) > 4 else ''} "
-                         "carry backward hooks, at which dynamo breaks the graph between an all-reduce and its "
-                         "norm, and Hugging Face's compile cannot hide them; use tpfuse.compile(model), which does")
+                         "carry backward hooks, at which dynamo breaks the graph "
+                         "between an all-reduce and its norm, and Hugging Face's "
+                         "compile cannot hide them; use tpfuse.compile(model), which does")
     config = CompileConfig(fullgraph=fullgraph, dynamic=dynamic, backend=TpfuseBackend(), mode=mode)
     # Hugging Face compiles only on GPUs unless this is set; CPU ranks (tests) need it.
     config._compile_all_devices = not torch.cuda.is_available() or None
