@@ -51,7 +51,8 @@ class SiteReport:
 
     def __post_init__(self):
         if not self.fused and not isinstance(self.reason, Reason):
-            raise TypeError(f"tpfuse: an unfused site's reason must be a compiler.reasons.Reason, got {self.reason!r}")
+            raise TypeError(f"tpfuse: an unfused site's reason must be a "
+                            f"compiler.reasons.Reason, got {self.reason!r}")
 
     @property
     def code(self) -> str | None:
@@ -247,7 +248,8 @@ class FusionPass(CustomGraphPass):
         pattern.replace(node.graph, match)
         return SiteReport(shape, dtype, group_name, True, pattern.name), None
 
-    def _on_plain_all_reduce(self, graph: torch.fx.Graph, report: SiteReport, node: torch.fx.Node) -> SiteReport:
+    def _on_plain_all_reduce(self, graph: torch.fx.Graph, report: SiteReport,
+                             node: torch.fx.Node) -> SiteReport:
         """An all-reduce that no block end took in, on ``tpfuse.all_reduce`` where the kernels take it
         (its report says so), else as it was."""
         if node.target == ALL_REDUCE:  # funcol: all_reduce(x, op, group) -> wait_tensor
