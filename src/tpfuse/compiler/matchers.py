@@ -7,10 +7,9 @@ LayerNorm, static and dynamic fp8, a second all-reduced branch, a bias.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import operator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.fx import Node
@@ -18,7 +17,6 @@ from torch.fx import Node
 from tpfuse.compiler.reasons import Reason
 from tpfuse.compiler.sizes import element_count, static_int
 from tpfuse.kernels.targets import Fp8Format, fp8_format
-
 
 aten, prims = torch.ops.aten, torch.ops.prims
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
@@ -81,7 +79,8 @@ def row_views(node: Node, hidden: int) -> list[Node]:
         if not (is_call(view, *VIEWS) and view.args[0] is chain[-1] and meta_val(view) is not None):
             return chain
         shape = meta_val(view).shape
-        if len(shape) < 1 or static_int(shape[-1]) != hidden or element_count(shape) != element_count(meta_val(node).shape):
+        if (len(shape) < 1 or static_int(shape[-1]) != hidden
+            or element_count(shape) != element_count(meta_val(node).shape)):
             return chain
         chain.append(view)
 
@@ -306,7 +305,8 @@ def bias_of(node: Node, hidden: int) -> tuple[Node | None, object]:
     return None, None
 
 
-def match_branch(node: object, group_name: str, reduce_op: str, hidden: int, with_bias: bool) -> Branch | None:
+def match_branch(node: object, group_name: str, reduce_op: str, hidden: int,
+                 with_bias: bool) -> Branch | None:
     """The :class:`Branch` when ``node`` is another all-reduce of the same group (+ its bias, views
     between), the second term of a sum of two; else None. ``copies`` > 1: the all-reduced tensor
     holds that many copies of the rows, summed after it (Llama 4's experts: ``[E * T, H]`` viewed as
@@ -432,7 +432,8 @@ def match_dynamic_fp8(y: Node, hidden: int) -> DynamicFp8 | None:
     if not (is_call(to_unit, aten.div.Tensor) and to_unit.args[1] == fmt.max):
         return None
     floor = only_user(to_unit)
-    if not (is_call(floor, aten.clamp_min.default, aten.clamp.default) and floor.args[1] == fmt.min_dynamic_scale):
+    if (not (is_call(floor, aten.clamp_min.default, aten.clamp.default)
+             and floor.args[1] == fmt.min_dynamic_scale)):
         return None
     nodes += [absolute[0], amax, to_unit, floor]
     floor, pow2 = _pow2_scales(floor, nodes)
@@ -493,9 +494,11 @@ def match_fp4(y: Node) -> Fp4 | None:
     items = {u.args[1]: u for u in quant.users if u.target is operator.getitem}
     if len(items) != len(quant.users) or 0 not in items:
         return None
-    args = quant.args + (None, 0)[len(quant.args) - 2:]  # (y, fp4, global_scale, scale_layout), defaults filled
+    # (y, fp4, global_scale, scale_layout), defaults filled
+    args = quant.args + (None, 0)[len(quant.args) - 2:]
     kw = quant.kwargs
-    return Fp4(items[0], items.get(1), args[1], kw.get("global_scale", args[2]), kw.get("scale_layout", args[3]),
+    return Fp4(items[0], items.get(1), args[1], kw.get("global_scale", args[2]),
+               kw.get("scale_layout", args[3]),
                [quant])
 
 
@@ -506,7 +509,8 @@ def residual_problem(residual: object, add: Node, x: torch.Tensor, hidden: int) 
     r = meta_val(residual)
     if r.dtype != x.dtype:
         return Reason("operands", f"the residual's dtype {r.dtype} differs from the all-reduce's {x.dtype}")
-    if r.dim() < 1 or static_int(r.shape[-1]) != hidden or element_count(r.shape) != element_count(meta_val(add).shape):
+    if (r.dim() < 1 or static_int(r.shape[-1]) != hidden
+        or element_count(r.shape) != element_count(meta_val(add).shape)):
         return Reason("operands", f"the add broadcasts a {tuple(r.shape)} tensor (a bias?) over the "
                                   f"{tuple(meta_val(add).shape)} sum: not a residual of the same size")
     return None
