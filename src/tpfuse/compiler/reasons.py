@@ -42,7 +42,8 @@ class Reason(str):
 
 def no_communicator(group_name: str, hidden: int, dtype) -> Reason:
     """The group's communicator is missing (or was destroyed, or takes no call of this size)."""
-    return Reason("no-communicator", f"group {group_name!r} has no tpfuse communicator that can fuse {hidden} x "
+    return Reason("no-communicator",
+                  f"group {group_name!r} has no tpfuse communicator that can fuse {hidden} x "
                                      f"{dtype} (call tpfuse.get_communicator before compiling)")
 
 
