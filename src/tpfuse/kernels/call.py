@@ -78,7 +78,8 @@ class FusedCall(NamedTuple):
 
     def describe(self) -> CallDescription:
         """The call as every rank must make it (:class:`CallDescription`)."""
-        return CallDescription(self.n_tokens, self.hidden, layout.call_flags(self.x.dtype, self.residual is not None)
+        return CallDescription(self.n_tokens, self.hidden,
+                               layout.call_flags(self.x.dtype, self.residual is not None)
                                | self.epilogue.flags(self.hidden))
 
     def outputs(self) -> tuple[torch.Tensor, ...]:
@@ -121,7 +122,8 @@ class FusedCall(NamedTuple):
             *tensors, step_tensors = self.kernel_tensors()
             return [*[t.data_ptr() for t in tensors], tuple(t.data_ptr() for t in step_tensors)]
         stand_in, x_at = weight.data_ptr(), x.data_ptr()
-        return [x_at, residual.data_ptr() if residual is not None else x_at, stand_in, y.data_ptr(), h.data_ptr(),
+        return [x_at, residual.data_ptr() if residual is not None else x_at, stand_in,
+                y.data_ptr(), h.data_ptr(),
                 (stand_in,) * _STEPS]
 
     def kernel_key(self) -> tuple:
