@@ -192,7 +192,8 @@ def _store_group_scales(scale, params, steps, row, hidden, STEPS: tl.constexpr, 
         exponents = tl.where(g < per_row, (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF, 0).to(tl.uint32)
         w = tl.arange(0, WORDS)
         in_word = (g[None, :] // 4) == w[:, None]
-        words = tl.sum(tl.where(in_word, exponents[None, :] << ((g[None, :] % 4) * 8).to(tl.uint32), 0), axis=1)
+        words = tl.sum(tl.where(in_word, exponents[None, :] << ((g[None, :] % 4) * 8).to(tl.uint32), 0),
+                       axis=1)
         tl.store(steps.scales + row + w.to(tl.int64) * params.scale_columns, words.to(tl.int32, bitcast=True),
                  mask=w < (per_row + 3) // 4)
     else:
@@ -228,14 +229,16 @@ def _store_fp4(y, y_ptr, steps, row, hidden, STEPS: tl.constexpr, BLOCK_H: tl.co
         scale = e4m3_bits_to_fp32(scale_bits, False)
         factor = tl.where(scale > 0, global_scale / tl.where(scale > 0, scale, 1.0), 0.0)
         tile_cols = (per_row + 3) // 4
-        place = (((row // 128) * tile_cols + g // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + g % 4)
+        place = (((row // 128) * tile_cols + g // 4) * 512 + (row % 32) * 16
+                 + ((row % 128) // 32) * 4 + g % 4)
         tl.store(steps.scales + place.to(tl.int64), scale_bits, mask=g < per_row)
     else:
         # The scale's biased exponent: amax's less 2 (e2m1's largest is 1.5 * 2**2); 0 for amax 0.
         exponent = tl.maximum(((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 2, 0)
         factor = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**(127 - exponent), exactly
         if STEPS.SCALE_LAYOUT == _SCALES_SHUFFLED:  # rows by 32 (two 16s), groups by 8 (two 4s)
-            place = ((row // 32) * 32 * ((per_row + 7) // 8 * 8) + (g // 8) * 256 + (g % 4) * 64 + (row % 16) * 4
+            place = ((row // 32) * 32 * ((per_row + 7) // 8 * 8) + (g // 8) * 256
+                     + (g % 4) * 64 + (row % 16) * 4
                      + ((g % 8) // 4) * 2 + (row % 32) // 16)
         else:
             place = row.to(tl.int64) * per_row + g
@@ -243,4 +246,5 @@ def _store_fp4(y, y_ptr, steps, row, hidden, STEPS: tl.constexpr, BLOCK_H: tl.co
     codes = tl.reshape(_e2m1_codes(groups * factor[:, None]), [BLOCK_H // 2, 2])
     low, high = tl.split(codes)
     c = tl.arange(0, BLOCK_H // 2)
-    tl.store(y_ptr + row.to(tl.int64) * (hidden // 2) + c, (low | (high << 4)).to(tl.uint8), mask=c < hidden // 2)
+    tl.store(y_ptr + row.to(tl.int64) * (hidden // 2) + c,
+             (low | (high << 4)).to(tl.uint8), mask=c < hidden // 2)
