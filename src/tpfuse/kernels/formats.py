@@ -20,13 +20,24 @@ from __future__ import annotations
 
 import torch
 
-from tpfuse.kernels.block_end import (FP4_GROUP, FP4_MXFP4, FP4_NONE, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0,
-                                     SCALES_ROWS, SCALES_SHUFFLED, Epilogue)
+from tpfuse.kernels.block_end import (
+    FP4_GROUP,
+    FP4_MXFP4,
+    FP4_NONE,
+    FP4_NVFP4,
+    SCALES_COLUMNS,
+    SCALES_PACKED_UE8M0,
+    SCALES_ROWS,
+    SCALES_SHUFFLED,
+    Epilogue,
+)
 
 #: The e2m1 values by code (bit 3 the sign).
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0,
+                            -1.5, -2.0, -3.0, -4.0, -6.0])
 # |v| above each: one code more (ties to the even code: 0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, ...).
-_E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+_E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+               (3.5, True), (5.0, False))
 
 
 def _round_up(n: int, to: int) -> int:
@@ -49,9 +60,11 @@ def empty_scales(epilogue: Epilogue, n_tokens: int, hidden: int, device) -> torc
     if groups == 0:
         return None
     if epilogue.fp4 == FP4_NVFP4:
-        return torch.zeros((_round_up(n_tokens, 128), _round_up(groups, 4)), dtype=torch.float8_e4m3fn, device=device)
+        return torch.zeros((_round_up(n_tokens, 128), _round_up(groups, 4)),
+                           dtype=torch.float8_e4m3fn, device=device)
     if epilogue.fp4 == FP4_MXFP4 and epilogue.scale_layout == SCALES_SHUFFLED:
-        return torch.zeros((_round_up(n_tokens, 256), _round_up(groups, 8)), dtype=torch.float8_e8m0fnu, device=device)
+        return torch.zeros((_round_up(n_tokens, 256), _round_up(groups, 8)),
+                           dtype=torch.float8_e8m0fnu, device=device)
     if epilogue.fp4 == FP4_MXFP4:
         return torch.empty((n_tokens, groups), dtype=torch.float8_e8m0fnu, device=device)
     if epilogue.scale_layout == SCALES_ROWS:
@@ -68,7 +81,8 @@ def scales_by_rows(epilogue: Epilogue) -> bool:
     return epilogue.fp4 != FP4_NVFP4 and epilogue.scale_layout == SCALES_ROWS
 
 
-def place_scale_rows(epilogue: Epilogue, scales: torch.Tensor, start: int, part: torch.Tensor, rows: int) -> None:
+def place_scale_rows(epilogue: Epilogue, scales: torch.Tensor, start: int,
+                     part: torch.Tensor, rows: int) -> None:
     """Put ``part`` (the scales of a call of ``rows`` rows, in their layout) at rows ``start:start + rows``
     of ``scales`` (a larger call's)."""
     tiled = _TILED.get((epilogue.fp4, epilogue.scale_layout))
@@ -227,5 +241,6 @@ def mxfp4(y: torch.Tensor, scale_layout: int = SCALES_ROWS) -> tuple[torch.Tenso
 
 __all__ = ["E2M1_VALUES", "e2m1_codes", "e2m1_values", "e8m0_values", "empty_scales", "in_layout", "mxfp4",
            "nvfp4", "pack_e2m1", "place_scale_rows", "pow2_at_least", "scale_groups", "scales_as_float",
-           "scales_by_rows", "shuffle_e8m0_scales", "swizzle_block_scales", "ue8m0_bytes", "unshuffle_e8m0_scales",
+           "scales_by_rows", "shuffle_e8m0_scales", "swizzle_block_scales",
+           "ue8m0_bytes", "unshuffle_e8m0_scales",
            "unswizzle_block_scales"]
