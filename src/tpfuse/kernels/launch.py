@@ -107,7 +107,8 @@ def launch(plan: LaunchPlan, call: FusedCall) -> None:
     key = (tuple(bool(a & 15) for a in _flat(addresses)), values) if bits & 15 else values
     run = plan.compiled.get(key)
     if run is None:
-        compiled = plan.kernel[(plan.grid,)](*call.kernel_tensors(), *plan.workspace, *values, **plan.constexprs,
+        compiled = plan.kernel[(plan.grid,)](*call.kernel_tensors(), *plan.workspace,
+                                             *values, **plan.constexprs,
                                              **plan.options)
         plan.compiled[key] = _launcher(compiled, plan.grid, (*workspace, *values, *plan.constexprs.values()))
         return
@@ -134,8 +135,10 @@ def _launcher(compiled, grid: int, tail: tuple):
     fixed = ("launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")
     if direct is None or not all(hasattr(run, name) for name in fixed) or run.global_scratch_size \
             or run.profile_scratch_size:
-        return lambda stream, addresses: run(grid, 1, 1, stream, function, metadata, None, None, None, *addresses,
+        return lambda stream, addresses: run(grid, 1, 1, stream, function, metadata,
+                                             None, None, None, *addresses,
                                              *tail)
     cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
-    return lambda stream, addresses: direct(grid, 1, 1, stream, function, cooperative, pdl, None, None, metadata,
+    return lambda stream, addresses: direct(grid, 1, 1, stream, function, cooperative,
+                                            pdl, None, None, metadata,
                                             None, None, None, *addresses, *tail)
