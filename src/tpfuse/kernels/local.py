@@ -1,7 +1,8 @@
 """The block end alone, for a group of one rank (tensor parallelism of 1): nothing to sum or send.
 
 The same model run at TP=1 still calls the fused op at every block end; here it is one kernel that
-reads x (the whole sum, or a MoE block's experts to finalize) and the residual once and writes y and h, with every step of
+reads x (the whole sum, or a MoE block's experts to finalize) and the residual once and writes y and h, with
+every step of
 ``kernels/epilogue.py``, as the one-shot kernel computes them. No workspace, no communicator needed.
 """
 
