@@ -206,9 +206,11 @@ def oneshot_allreduce_add_rmsnorm(ctx: LaunchContext, call: FusedCall,
     launch(oneshot_plan(ctx, call, variant), call)
 
 
-def oneshot_plan(ctx: LaunchContext, call: FusedCall, variant: OneShotVariant = DEFAULT_VARIANT) -> LaunchPlan:
+def oneshot_plan(ctx: LaunchContext, call: FusedCall,
+                 variant: OneShotVariant = DEFAULT_VARIANT) -> LaunchPlan:
     """The one-shot's launch plan for calls of ``call``'s kind (kept in ``ctx``): ``launch(plan, call)``."""
-    return kept_plan(ctx.plans, ("oneshot", variant, call.n_tokens, call.kernel_key()), _oneshot_plan, ctx, call,
+    return kept_plan(ctx.plans, ("oneshot", variant, call.n_tokens, call.kernel_key()),
+                     _oneshot_plan, ctx, call,
                      variant)
 
 
