@@ -72,7 +72,8 @@ def call_scalars(ctx: LaunchContext, call: FusedCall, tail: tuple = ()) -> Calla
     device = call.x.device
     if device.type == "cuda":
         index = device.index
-        return lambda call: (n_tokens, hidden, region, call.eps, _gpu_wait_ticks(ctx.wait_limit_ns, index), *tail)
+        return lambda call: (n_tokens, hidden, region, call.eps,
+                             _gpu_wait_ticks(ctx.wait_limit_ns, index), *tail)
     return lambda call: (n_tokens, hidden, region, call.eps, targets.cpu_timer_ticks()
                          + targets.wait_ticks(device, ctx.wait_limit_ns / 1e9), *tail)
 
@@ -305,7 +306,8 @@ def _clear_slot(
                 store_shared(own + slot_base + r * region_elems + idx, sentinel, idx < extent)
                 start += step * BLOCK_H
             if first == 0:
-                store_shared(own + desc_slot + r * _DESC_WORDS + i, tl.full([_DESC_WORDS], _SENTINEL, tl.int16))
+                store_shared(own + desc_slot + r * _DESC_WORDS + i,
+                             tl.full([_DESC_WORDS], _SENTINEL, tl.int16))
 
 
 @triton.jit
