@@ -114,7 +114,8 @@ def _scatter(x_ptr, steps, peer_ptrs_ptr, send_base, hidden, pid, n_programs, fi
         owner = _owner(row, n_programs, WORLD)
         if owner != RANK:
             if WIRE:
-                words, exponents = _encode(_partial_row(x_ptr, steps, row, cols, mask, hidden, STEPS), BLOCK_H)
+                words, exponents = _encode(_partial_row(x_ptr, steps, row, cols, mask, hidden, STEPS),
+                                           BLOCK_H)
                 _send_wire(_peer_base(peer_ptrs_ptr, owner) + send_base, row, hidden, words, exponents,
                            BLOCK_H)
             else:
@@ -176,7 +177,8 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, steps, peer_ptrs_ptr, own_s
             else:
                 if HAS_RESIDUAL:
                     res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                acc, failed = _sum_in_rank_order(x_ptr, _partial_bits(x_ptr, steps, row, cols, mask, hidden, STEPS),
+                acc, failed = _sum_in_rank_order(x_ptr,
+                                                 _partial_bits(x_ptr, steps, row, cols, mask, hidden, STEPS),
                                                  own_slot,
                                                  region_elems, offs, mask, deadline, failed, RANK, WORLD,
                                                  BLOCK_H)
@@ -285,8 +287,10 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
         failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, steps, peer_ptrs_ptr, own_slot, send_base,
                                params, hidden, region_elems, eps, n_programs, pid, first, last, cols, mask,
                                deadline, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL, STEPS, WIRE)
-        failed = _gather_others(residual_ptr, y_ptr, h_ptr, steps, own_slot, params, hidden, region_elems, eps,
-                                n_programs, pid, first, last, cols, mask, deadline, failed, WORLD, RANK, BLOCK_H,
+        failed = _gather_others(residual_ptr, y_ptr, h_ptr, steps, own_slot, params,
+                                hidden, region_elems, eps,
+                                n_programs, pid, first, last, cols, mask, deadline,
+                                failed, WORLD, RANK, BLOCK_H,
                                 HAS_RESIDUAL, STEPS, WIRE)
         first = last
         last = after
