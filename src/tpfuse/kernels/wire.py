@@ -78,7 +78,8 @@ def wire_error_bound(xs: list[torch.Tensor], reduced: torch.Tensor) -> torch.Ten
 
 @triton.jit
 def _FNUZ_SHIFT():
-    """1 where fp8 is e4m3fnuz (its codes are worth half), else 0: what the wire adds to a block's exponent."""
+    """1 where fp8 is e4m3fnuz (its codes are worth half), else 0: what the wire adds to a block's
+    exponent."""
     if fp8_fnuz():
         return 1
     else:
@@ -108,7 +109,8 @@ def _decode(words, exponents, BLOCK_H: tl.constexpr):
     """The fp32 row of :func:`_encode`'s words, exactly. Exponent words of masked blocks may be 0."""
     w = words.to(tl.int32) & 0xFFFF
     codes = tl.reshape(tl.join(w & 0xFF, w >> 8), [BLOCK_H])
-    exponent = tl.minimum(tl.maximum(exponents.to(tl.int32) - _EXPONENT_BIAS, -126), 127 - _FNUZ_SHIFT()) + _FNUZ_SHIFT()
+    exponent = tl.minimum(tl.maximum(exponents.to(tl.int32) - _EXPONENT_BIAS, -126),
+                          127 - _FNUZ_SHIFT()) + _FNUZ_SHIFT()
     scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
     values = tl.reshape(from_fp8_bits(codes), [BLOCK_H // _WIRE_BLOCK, _WIRE_BLOCK])
     return tl.reshape(values * scale[:, None], [BLOCK_H])
