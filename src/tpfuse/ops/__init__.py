@@ -1,7 +1,12 @@
 """The fused op's one contract: ``tpfuse.allreduce_add_rmsnorm`` and its ``torch.library`` ops."""
 
-from tpfuse.ops.allreduce_add_rmsnorm import (QuantizedOutputs, all_reduce, allreduce_add_rmsnorm,
-                                              allreduce_add_rmsnorm_dynamic_fp8, allreduce_add_rmsnorm_quant)
+from tpfuse.ops.allreduce_add_rmsnorm import (
+                                              QuantizedOutputs,
+                                              all_reduce,
+                                              allreduce_add_rmsnorm,
+                                              allreduce_add_rmsnorm_dynamic_fp8,
+                                              allreduce_add_rmsnorm_quant,
+)
 from tpfuse.ops.quantize import quantize_fp4
 
 __all__ = ["QuantizedOutputs", "all_reduce", "allreduce_add_rmsnorm", "allreduce_add_rmsnorm_dynamic_fp8",
