@@ -21,7 +21,8 @@ _lib.define("quantize_fp4(Tensor y, int fp4, Tensor? global_scale, int scale_lay
 FP4_OUTPUTS = {word: fp4 for word, fp4 in OUTPUTS.items() if fp4 != block_end.FP4_NONE}
 
 
-def _check(y: torch.Tensor, fp4: int, global_scale: torch.Tensor | None, scale_layout: int) -> block_end.Epilogue:
+def _check(y: torch.Tensor, fp4: int, global_scale: torch.Tensor | None,
+           scale_layout: int) -> block_end.Epilogue:
     """The quantisation's block end, after the fused op's own checks of its fp4 output."""
     if not isinstance(y, torch.Tensor) or y.dim() != 2 or not y.is_floating_point():
         raise ValueError(f"y must be a floating-point [tokens, hidden] tensor, got "
@@ -71,4 +72,5 @@ def quantize_fp4(y: torch.Tensor, output: str = "nvfp4", *, global_scale: torch.
         raise ValueError(f"output must be one of {sorted(FP4_OUTPUTS)}, got {output!r}")
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"scale_layout must be one of {sorted(SCALE_LAYOUTS)}, got {scale_layout!r}")
-    return tuple(torch.ops.tpfuse.quantize_fp4(y, FP4_OUTPUTS[output], global_scale, SCALE_LAYOUTS[scale_layout]))
+    return tuple(torch.ops.tpfuse.quantize_fp4(y, FP4_OUTPUTS[output], global_scale,
+                                               SCALE_LAYOUTS[scale_layout]))
