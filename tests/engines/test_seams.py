@@ -1,6 +1,8 @@
-"""The engine seams a plugin hooks: a missing one fails start-up naming it and the engine's version; an unknown
+"""The engine seams a plugin hooks: a missing one fails start-up naming it and the engine's version; an
+unknown
 version logs what was found. SGLang's plugin against a stand-in SGLang (its modules as empty shells holding
-exactly the plugin's seams, one taken away at a time); vLLM's against real vLLM: tests/engines/test_vllm_seam.py.
+exactly the plugin's seams, one taken away at a time); vLLM's against real vLLM:
+tests/engines/test_vllm_seam.py.
 """
 
 import enum
@@ -109,7 +111,8 @@ def test_an_optional_seam_that_is_missing_is_said_and_skipped(monkeypatch, caplo
     assert list(found) == ["tpfuse_test_engine:present"]
     assert any("newer_helper" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
     with pytest.raises(SeamMissing, match=r"(?s)Engine 2\.0.*tpfuse_test_engine:gone"):
-        seams.check("Engine", "2.0", wanted + (Seam("tpfuse_test_engine:gone", "needs it"),), ("1.0",), ("1.0",),
+        seams.check("Engine", "2.0", wanted
+                    + (Seam("tpfuse_test_engine:gone", "needs it"),), ("1.0",), ("1.0",),
                     logging.getLogger("tpfuse.test"))
 
 
