@@ -165,7 +165,8 @@ def test_a_missing_seam_stops_sglangs_start_up_naming_it():
     env["TPFUSE_SGLANG"] = "1"
     done = subprocess.run([sys.executable, "-c", MISSING_GATE], env=env, capture_output=True, text=True,
                           timeout=300, check=False)
-    assert done.returncode != 0 and "served on without tpfuse" not in done.stdout, done.stdout + done.stderr[-3000:]
+    assert (done.returncode != 0
+            and "served on without tpfuse" not in done.stdout), done.stdout + done.stderr[-3000:]
     import sglang
 
     from tpfuse.engines.sglang import GATE
