@@ -118,7 +118,8 @@ def _same_greedy_tokens(fused: dict, alone: dict) -> None:
     # vLLM rounds the all-reduce to bf16 first, and applies the norm weight before rounding).
     for prompt, (ours, theirs) in enumerate(zip(fused["tokens"], alone["tokens"])):
         step = first_parting(ours, theirs)
-        for i in range(len(ours) if step is None else step):  # the same prefix: the best token's logprobs agree
+        # the same prefix: the best token's logprobs agree
+        for i in range(len(ours) if step is None else step):
             ours_lp, theirs_lp = fused["top"][prompt][i][0][1], alone["top"][prompt][i][0][1]
             assert abs(ours_lp - theirs_lp) < LOGPROB_TOLERANCE, (prompt, i, ours_lp, theirs_lp)
         if step is not None:  # vLLM's own logprob of tpfuse's token: within a near-tie of its best
