@@ -1,4 +1,5 @@
-"""tpfuse's vLLM plugin without vLLM (fast lane): its switch's options, and which calls of vLLM's manual-fusion
+"""tpfuse's vLLM plugin without vLLM (fast lane): its switch's options, and which calls of vLLM's
+manual-fusion
 helpers tpfuse's op takes. vLLM itself with the plugin: test_vllm_seam.py (its helpers on 2 ranks) and
 test_vllm.py (vLLM at TP=2)."""
 
@@ -74,14 +75,16 @@ def _rows(tokens, dtype=torch.bfloat16, hidden=HIDDEN):
     ("at the limit", (_rows(16), _rows(16), _norm(), _Comm(16)), None),
     ("over the limit", (_rows(17), _rows(17), _norm(), _Comm(16)), "over the fusion limit of 16 tokens"),
     ("no communicator", (_rows(8), _rows(8), _norm(), None), "no tpfuse communicator"),
-    ("float32", (_rows(8, torch.float32), _rows(8, torch.float32), _norm(), _Comm(16)), "not a size the kernels"),
+    ("float32", (_rows(8, torch.float32), _rows(8, torch.float32), _norm(), _Comm(16)),
+     "not a size the kernels"),
     ("hidden 60", (_rows(8, hidden=60), _rows(8, hidden=60), _norm(torch.ones(60)), _Comm(16)),
      "not a size the kernels"),
     ("part of the row", (_rows(8), _rows(8), _norm(variance_size_override=32), _Comm(16)), "whole row"),
     ("no weight", (_rows(8), _rows(8), SimpleNamespace(variance_epsilon=1e-6), _Comm(16)), "whole row"),
     ("weight of another size", (_rows(8), _rows(8), _norm(torch.ones(32)), _Comm(16)), "norm weight (32,)"),
     ("residual of another dtype", (_rows(8), _rows(8, torch.float16), _norm(), _Comm(16)), "a residual"),
-    ("3-D rows", (torch.zeros(2, 4, HIDDEN, dtype=torch.bfloat16), None, _norm(), _Comm(16)), "hidden states"),
+    ("3-D rows",
+     (torch.zeros(2, 4, HIDDEN, dtype=torch.bfloat16), None, _norm(), _Comm(16)), "hidden states"),
 ])
 def test_which_helper_calls_tpfuse_takes(case, call, reason):
     x, residual, norm, comm = call
