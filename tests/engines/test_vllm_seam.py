@@ -32,13 +32,16 @@ def runs(tmp_path_factory) -> dict:
     subprocess.run(["bash", "scripts/setup_venv.sh", "vllm"], cwd=ROOT, check=True, timeout=600)
     out = tmp_path_factory.mktemp("vllm-seam")
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_BATCH_INVARIANT", "TPFUSE_BATCH_INVARIANT")}
-    done = subprocess.run([str(ROOT / ".venv-vllm" / "bin" / "python"), "-m", "tpfuse.testing.vllm_seam", "--out",
-                           str(out)], cwd=out, env={**env, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    done = subprocess.run([str(ROOT / ".venv-vllm" / "bin" / "python"), "-m",
+                           "tpfuse.testing.vllm_seam", "--out",
+                           str(out)], cwd=out, env={**env, **ENV}, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT,
                           text=True, timeout=500, check=False)
     assert done.returncode == 0, done.stdout[-6000:]
     parent = json.loads((out / "parent.json").read_text())
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    found = {name: {"parent": parent[name], "ranks": [r[name] for r in ranks]} for name in ("alone", "tpfuse")}
+    found = {name: {"parent": parent[name], "ranks": [r[name] for r in ranks]}
+             for name in ("alone", "tpfuse")}
     return {**found, "missing_seam_error": parent["missing_seam_error"]}
 
 
@@ -83,7 +86,8 @@ def test_the_switch_sizes_the_limit_and_serves_both_helpers_everywhere(runs):
         assert rank["served"] == {"rms": True, "gemma": True} and rank["same_everywhere"]
 
 
-@pytest.mark.parametrize("gemma", [False, True], ids=["fused_allreduce_rms_norm", "fused_allreduce_gemma_rms_norm"])
+@pytest.mark.parametrize("gemma", [False, True],
+                         ids=["fused_allreduce_rms_norm", "fused_allreduce_gemma_rms_norm"])
 def test_a_call_under_the_limit_runs_tpfuses_op(runs, gemma):
     (pair,) = [p for p in _calls(runs["tpfuse"], "plain", SMALL) if p[0]["gemma"] == gemma]
     for call in pair:
