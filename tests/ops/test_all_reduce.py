@@ -83,4 +83,5 @@ def _bad_inputs(rank, world_size):
 def test_bad_input_is_named(rank_pool):
     for found in rank_pool(2).run(_bad_inputs):
         for name, error, message in BAD:
-            assert name in found and found[name][0] is error and message in found[name][1], (name, found.get(name))
+            assert (name in found and found[name][0] is error
+                    and message in found[name][1]), (name, found.get(name))
