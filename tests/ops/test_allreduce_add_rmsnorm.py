@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
-from tpfuse.testing.ranks import rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
+from tpfuse.testing.ranks import rank_backends, rank_device
 
 BACKENDS = rank_backends()
 
