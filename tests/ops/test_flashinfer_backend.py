@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
-from tpfuse.testing.ranks import rank_device
 from tpfuse.testing.cases import Case, check_results
+from tpfuse.testing.ranks import rank_device
 
 
 def _flashinfer_available() -> bool:
