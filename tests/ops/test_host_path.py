@@ -7,10 +7,11 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
-from tpfuse.testing.ranks import rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
+from tpfuse.testing.ranks import rank_backends, rank_device
 
-needs_kernels = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+needs_kernels = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1"
+                                   and not torch.cuda.is_available(),
                                    reason="needs a GPU or TRITON_INTERPRET=1")
 
 # Every block end the local kernel runs, as the op's arguments.
@@ -70,7 +71,8 @@ def _count_decisions(monkeypatch, counts: dict) -> None:
 
     monkeypatch.setattr(Communicator, "_plan", counted("call plan", Communicator._plan))
     monkeypatch.setattr(select, "choose_algorithm", counted("algorithm", select.choose_algorithm))
-    monkeypatch.setattr(launch.LaunchPlan, "__post_init__", counted("launch plan", launch.LaunchPlan.__post_init__))
+    monkeypatch.setattr(launch.LaunchPlan, "__post_init__",
+                        counted("launch plan", launch.LaunchPlan.__post_init__))
     monkeypatch.setattr(FusedCall, "kernel_key", counted("kind looked up", FusedCall.kernel_key))
 
 
@@ -80,7 +82,8 @@ def _repeated_calls(rank, world_size, backend, tokens):
     from tpfuse.testing import forced_table
 
     counts: dict = {}
-    with _pytest.MonkeyPatch.context() as monkeypatch, forced_table(world_size, rank_device(backend, rank), 4):
+    with _pytest.MonkeyPatch.context() as monkeypatch, forced_table(world_size,
+                                                                    rank_device(backend, rank), 4):
         _count_decisions(monkeypatch, counts)
         tpfuse.get_communicator(max_tokens=16, hidden=64)
         results = []
@@ -113,14 +116,16 @@ def test_repeated_calls_decide_once(rank_pool, backend, tokens):
         check_results(case, 2, [results[i][1] for _, _, results in per_rank])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (kept launches use the compiled launcher)")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a GPU (kept launches use the compiled launcher)")
 def test_a_kept_launch_follows_each_pointers_alignment(one_rank_group):
     """The JIT compiles apart for each pointer that is not 16-byte aligned: the kernel kept for a call
     whose x is misaligned must not serve one whose residual or output is (it would load them as if
     aligned), and aligned calls after them still take the aligned kernel."""
     tokens, hidden = 4, 256
     g = torch.Generator(device="cuda").manual_seed(0)
-    x, residual = (torch.randn(tokens, hidden, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    x, residual = (torch.randn(tokens, hidden, generator=g, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(2))
     weight = torch.randn(hidden, generator=g, device="cuda", dtype=torch.bfloat16)
     h_ref = x.double() + residual.double()
     y_ref = h_ref * torch.rsqrt(h_ref.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
@@ -156,7 +161,8 @@ def test_a_graphs_call_of_the_common_block_end_takes_its_own_path(one_rank_group
     group_name = dist.group.WORLD.group_name
     torch.ops.tpfuse.allreduce_add_rmsnorm(x, None, weight, 1e-6, group_name, **every_default)
     torch.ops.tpfuse.allreduce_add_rmsnorm(x, None, weight, 1e-6, group_name)
-    torch.ops.tpfuse.allreduce_add_rmsnorm(x, None, weight, 1e-6, group_name, **{**every_default, "layer_norm": True})
+    torch.ops.tpfuse.allreduce_add_rmsnorm(x, None, weight, 1e-6, group_name,
+                                           **{**every_default, "layer_norm": True})
     assert seen[0] is PLAIN and seen[1] is PLAIN
     assert seen[2] is not PLAIN and seen[2].layer_norm and Epilogue.of({"layer_norm": True}).kwargs() == {
         "layer_norm": True}
