@@ -14,7 +14,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 def _decoded(codes, scales, fp4, global_scale, n_tokens, hidden, scale_layout=SCALES_ROWS):
     """The values the codes stand for: e2m1 times its group's scale (NVFP4's over the global scale)."""
-    group = formats.scales_as_float(Epilogue(fp4=fp4, scale_layout=scale_layout), scales, n_tokens, hidden).double()
+    group = formats.scales_as_float(Epilogue(fp4=fp4, scale_layout=scale_layout), scales,
+                                    n_tokens, hidden).double()
     if fp4 == FP4_NVFP4:
         group = group / global_scale.double()
     values = formats.e2m1_values(codes).double().unflatten(-1, (-1, FP4_GROUP[fp4]))
@@ -36,7 +37,8 @@ def test_values_the_format_holds_come_back_exactly(output):
     packed, scales = tpfuse.quantize_fp4(y, output, global_scale=global_scale)
     assert packed.shape == (n_tokens, hidden // 2) and packed.dtype == torch.uint8
     layout = formats.empty_scales(Epilogue(fp4=fp4), n_tokens, hidden, "cpu")  # the fused op's
-    assert scales.shape == layout.shape and scales.dtype == layout.dtype and scales.stride() == layout.stride()
+    assert (scales.shape == layout.shape and scales.dtype == layout.dtype
+            and scales.stride() == layout.stride())
     assert torch.equal(_decoded(packed, scales, fp4, global_scale, n_tokens, hidden), y.double())
 
 
@@ -51,14 +53,16 @@ def test_random_rows_are_within_a_code_step_and_compile_to_the_same(output, devi
     packed, scales = tpfuse.quantize_fp4(y, output, global_scale=global_scale)
     assert packed.device == scales.device == y.device
     if device != "cpu":  # the same bits as on the CPU
-        on_cpu = tpfuse.quantize_fp4(y.cpu(), output, global_scale=None if global_scale is None else global_scale.cpu())
+        on_cpu = tpfuse.quantize_fp4(y.cpu(), output, global_scale=None
+                                     if global_scale is None else global_scale.cpu())
         assert torch.equal(packed.cpu(), on_cpu[0]) and torch.equal(scales.cpu().view(torch.uint8),
                                                                     on_cpu[1].view(torch.uint8))
     error = (_decoded(packed, scales, fp4, global_scale, 7, 512) - y.double()).unflatten(-1, (-1, group))
     # NVFP4: half of e2m1's widest step (2) at a scale of amax / 6, e4m3-rounded; MXFP4: amax / 2**e in
     # [4, 8), saturated at 6: up to 2 at a scale of amax / 4
     assert (error.abs() <= amax * (0.5 if fp4 == FP4_MXFP4 else 0.18)).all()
-    compiled = torch.compile(lambda t: tpfuse.quantize_fp4(t, output, global_scale=global_scale), fullgraph=True)
+    compiled = torch.compile(lambda t: tpfuse.quantize_fp4(t, output, global_scale=global_scale),
+                             fullgraph=True)
     again = compiled(y)
     assert torch.equal(again[0], packed) and torch.equal(again[1].view(torch.uint8), scales.view(torch.uint8))
 
@@ -77,7 +81,8 @@ def test_shuffled_mxfp4_scales_are_the_rows_in_aiters_order():
     assert torch.equal(shuffled.view(torch.uint8), formats.shuffle_e8m0_scales(padded))
     assert torch.equal(_decoded(codes, shuffled, FP4_MXFP4, None, 37, 1024, SCALES_SHUFFLED),
                        _decoded(codes, rows, FP4_MXFP4, None, 37, 1024))
-    compiled = torch.compile(lambda t: tpfuse.quantize_fp4(t, "mxfp4", scale_layout="shuffled"), fullgraph=True)
+    compiled = torch.compile(lambda t: tpfuse.quantize_fp4(t, "mxfp4", scale_layout="shuffled"),
+                             fullgraph=True)
     assert torch.equal(compiled(y)[1].view(torch.uint8), shuffled.view(torch.uint8))
 
 
@@ -85,13 +90,15 @@ BAD = {
     "unknown output": (dict(output="int4"), "output must be one of"),
     "NVFP4 without a global scale": (dict(output="nvfp4"), "NVFP4 takes a global_scale"),
     "MXFP4 with one": (dict(output="mxfp4", global_scale=torch.ones(1)), "MXFP4 takes none"),
-    "a hidden size the group does not divide": (dict(output="mxfp4", y=torch.randn(2, 48)), "must be a multiple of 32"),
+    "a hidden size the group does not divide": (dict(output="mxfp4", y=torch.randn(2, 48)),
+                                                "must be a multiple of 32"),
     "float64 global scale": (dict(output="nvfp4", global_scale=torch.ones(1, dtype=torch.float64)),
                              "global_scale must be a float32 tensor of one element"),
     "rows of three dimensions": (dict(output="mxfp4", y=torch.randn(2, 3, 64)), "[tokens, hidden]"),
     "integer rows": (dict(output="mxfp4", y=torch.ones(2, 64, dtype=torch.int32)), "floating-point"),
     "unknown layout": (dict(output="mxfp4", scale_layout="tiles"), "scale_layout must be one of"),
-    "shuffled NVFP4": (dict(output="nvfp4", global_scale=torch.ones(1), scale_layout="shuffled"), "is MXFP4's"),
+    "shuffled NVFP4": (dict(output="nvfp4", global_scale=torch.ones(1), scale_layout="shuffled"),
+                       "is MXFP4's"),
 }
 
 
