@@ -13,11 +13,11 @@ import torch.distributed as dist
 
 import tpfuse
 from tpfuse.comm import workspace as ws
-from tpfuse.select import AlgorithmTable, reload_tables
 from tpfuse.kernels.reference import add_rmsnorm_reference
+from tpfuse.select import AlgorithmTable, reload_tables
 from tpfuse.testing import forced_table, fused_calls
-from tpfuse.testing.ranks import rank_backends, rank_device
 from tpfuse.testing.cases import Case, check_results
+from tpfuse.testing.ranks import rank_backends, rank_device
 
 BACKENDS = rank_backends()
 
