@@ -108,9 +108,8 @@ ROUND_FP16_PAIR = tl.constexpr(
 
 @triton.jit
 def round_to(v, DTYPE: tl.constexpr):
-    """``v`` rounded to nearest even in ``DTYPE`` (a 16-bit float) once, with -0.0 made +0.0 (as the
-    two-shot sends it), and those values as fp32: ``(rounded, rounded_fp32)``. A 16-bit ``v`` is taken
-    as already rounded.
+    """``v`` rounded to nearest even in ``DTYPE`` once, with -0.0 made +0.0 (as the two-shot sends it),
+    and those values as fp32: ``(rounded, rounded_fp32)``. A 16-bit ``v`` is taken as already rounded.
 
     Where the rounded row is both stored and normed (every kernel norms the h it returns), plain
     ``v.to(DTYPE)`` became a scalar conversion an element and ``.to(tl.float32)`` a repacking: rows of
@@ -118,7 +117,7 @@ def round_to(v, DTYPE: tl.constexpr):
     makes two elements and their fp32 values come from its halves."""
     if v.dtype != tl.float32:
         return v, v.to(tl.float32)
-    elif on_amd():
+    elif on_amd() or DTYPE == tl.float32:
         rounded = v.to(DTYPE)
         rounded = tl.where(rounded == 0, tl.zeros_like(rounded), rounded)
         return rounded, rounded.to(tl.float32)

@@ -207,7 +207,7 @@ def part_as_sent(call: FusedCall) -> torch.Tensor:
     if not (epilogue.experts or epilogue.shared_expert is not None):
         return x
     kernel = _local_kernel_for(x)
-    if kernel is None:
+    if kernel is None or x.dtype is torch.float32:
         return rank_part(x, epilogue)
     part = torch.empty(x.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
     kernel(FusedCall(x, None, call.weight, call.eps, part, part, _finalize_only(epilogue)))
