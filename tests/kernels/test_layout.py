@@ -51,3 +51,27 @@ def _sent_descriptors(rank, world_size):
 def test_the_kernel_sends_the_descriptor_layout_describes(rank_pool):
     for report in rank_pool(2).run(_sent_descriptors):
         assert report["received"] == report["expected"], report
+
+
+def test_every_flag_travels_in_the_descriptor():
+    """Each ``FLAG_*`` (and K's field) is at or below the last bit the descriptor carries, and reads back."""
+    for name in dir(layout):
+        if name.startswith("FLAG_") or name == "FLAGS_EXPERTS":
+            assert getattr(layout, name) < 1 << (layout.MAX_FLAG_BIT + 1), name
+    flags = layout.call_flags(torch.bfloat16, False) | layout.FLAG_MOE_FINALIZE | layout.FLAG_TOPK_WEIGHTS \
+        | layout.FLAG_SHARED_EXPERT | layout.MAX_EXPERTS << layout.EXPERTS_SHIFT
+    words = layout.describe_call(2, 64, flags, 0, (1 << 31) - 8)
+    assert all(0 <= w <= 0x7FFF for w in words), words
+    assert layout.explain_descriptor(words) == (
+        "2 x 64 bfloat16 oneshot, no residual, MoE finalize, 31 experts a token, topk_weights, shared expert")
+
+
+def test_a_finalize_that_differs_in_weights_k_or_shared_expert_differs_in_flags():
+    """The descriptor's flags (what ranks compare) tell apart every finalize the kernels run."""
+    from tpfuse.kernels.block_end import Epilogue
+
+    weights, shared = torch.ones(2, 3), torch.ones(2, 64)
+    finalizes = [Epilogue(experts=3), Epilogue(experts=3, topk_weights=weights), Epilogue(experts=2),
+                 Epilogue(experts=3, shared_expert=shared), Epilogue(shared_expert=shared)]
+    flags = [e.flags(64) for e in finalizes]
+    assert len(set(flags)) == len(finalizes), [layout.explain_flags(f) for f in flags]

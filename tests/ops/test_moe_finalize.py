@@ -97,3 +97,64 @@ def test_bad_input_is_named(rank_pool):
     for found in rank_pool(2).run(_bad_inputs):
         for name, (error, message) in BAD.items():
             assert name in found and found[name][0] is error and message in found[name][1], (name, found.get(name))
+
+
+# Finalizes that differ between the ranks in what the block end's flags alone did not tell apart: the
+# weights (one rank weights its experts' outputs, the other takes them as weighted), K, the shared expert.
+FINALIZE_DIFFERENCES = {
+    # name: (rank 0's (K, weighted, shared expert), rank 1's), and the words each rank's call is named by
+    "weighted on one rank": (((3, True, False), (3, False, False)), ("3 experts a token, topk_weights",
+                                                                    "3 experts a token")),
+    "K = 3 and K = 2": (((3, False, False), (2, False, False)), ("3 experts a token", "2 experts a token")),
+    "shared expert on one rank": (((2, True, True), (2, True, False)), ("topk_weights, shared expert",
+                                                                       "2 experts a token, topk_weights")),
+}
+
+
+def _finalizes_differ(rank, world_size, name, with_communicator):
+    """Each rank's call of the named difference: the error it raised, or None. A group of its own: after a
+    difference the group's collectives may be out of step (docs/reliability.md)."""
+    group = dist.new_group(list(range(world_size)))
+    comm = tpfuse.get_communicator(group, max_tokens=16, hidden=512, wait_timeout_s=3.0) \
+        if with_communicator else None
+    experts, weighted, shared = FINALIZE_DIFFERENCES[name][0][rank]
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(2, experts, 64, generator=gen).to(torch.bfloat16)
+    topk_weights = torch.rand(2, experts, generator=gen) if weighted else None
+    shared_expert = torch.randn(2, 64, generator=gen).to(torch.bfloat16) if shared else None
+
+    def call():
+        tpfuse.allreduce_add_rmsnorm(x, None, torch.ones(64, dtype=torch.bfloat16), 1e-6, group=group,
+                                     topk_weights=topk_weights, shared_expert=shared_expert)
+        if comm is not None:
+            comm.check_errors()
+
+    if comm is not None:
+        return error_of(call, comm)
+    try:
+        call()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("name", list(FINALIZE_DIFFERENCES))
+def test_finalizes_that_differ_raise_on_every_rank_in_the_kernels(rank_pool, name):
+    """The kernels compare the call descriptors: each rank names both calls' finalize."""
+    words = FINALIZE_DIFFERENCES[name][1]
+    errors = rank_pool(2).run(_finalizes_differ, name, True, timeout=120)
+    for rank, error in enumerate(errors):
+        assert error is not None and f"does not match rank {1 - rank}'s call" in error, (rank, error)
+        ours, theirs = error.split("does not match")
+        assert words[rank] in ours and words[1 - rank] in theirs, (rank, error)
+
+
+@pytest.mark.parametrize("name", list(FINALIZE_DIFFERENCES))
+def test_finalizes_that_differ_raise_on_every_rank_on_the_reference_path(rank_pool, name):
+    """No communicator: the exchange before the group's all-reduce (``comm.agreement``) names the flags."""
+    words = FINALIZE_DIFFERENCES[name][1]
+    for error in rank_pool(2).run(_finalizes_differ, name, False, timeout=120):
+        assert error is not None and "the ranks differ at reference-path call #1 (" in error, error
+        assert ": flags (rank 0: (" in error, error
+        rank0, rank1 = error.split(": flags (")[1].split("rank 1: ")
+        assert words[0] in rank0 and words[1] in rank1, error

@@ -190,6 +190,9 @@ class Epilogue:
                 | (layout.FLAG_DYNAMIC_GROUP if 0 < self.scale_group < hidden else 0)
                 | (0 if self.normed else layout.FLAG_NO_NORM)
                 | (layout.FLAG_MOE_FINALIZE if self.experts or self.shared_expert is not None else 0)
+                | (layout.FLAG_TOPK_WEIGHTS if self.topk_weights is not None else 0)
+                | (layout.FLAG_SHARED_EXPERT if self.shared_expert is not None else 0)
+                | self.experts << layout.EXPERTS_SHIFT
                 | (layout.FLAG_NORMED_COPY if self.normed_copy else 0)
                 | (layout.FLAG_UE8M0 if self.scale_group and self.pow2_scales else 0)
                 | (layout.FLAG_SCALES_COLUMNS if self.scale_layout == SCALES_COLUMNS else 0)

@@ -41,7 +41,7 @@ FLAG_DYNAMIC_TOKEN, FLAG_DYNAMIC_GROUP = 512, 1024
 FLAG_FP8_WIRE = 2048
 #: A plain all-reduce: the call ends at h (``Epilogue.normed`` False).
 FLAG_NO_NORM = 4096
-#: A MoE finalize before the sum (``Epilogue.topk_weights`` / ``shared_expert``, x [T, K, H]).
+#: A MoE finalize before the sum (``Epilogue.experts`` / ``topk_weights`` / ``shared_expert``, x [T, K, H]).
 FLAG_MOE_FINALIZE = 8192
 #: The quantised outputs the next GEMM takes (``Epilogue.normed_copy``, ``ue8m0_scales``,
 #: ``scale_layout``, ``fp4``). Bits from 15 on travel in the descriptor's last word, above the
@@ -50,6 +50,16 @@ FLAG_NORMED_COPY = 1 << 14
 FLAG_UE8M0, FLAG_SCALES_COLUMNS, FLAG_SCALES_PACKED = 1 << 15, 1 << 16, 1 << 17
 FLAG_NVFP4, FLAG_MXFP4 = 1 << 18, 1 << 19
 FLAG_SCALES_SHUFFLED = 1 << 21
+#: What a MoE finalize is, beyond FLAG_MOE_FINALIZE: ranks that differ in its weights, its shared expert or
+#: its K (the experts a token, ``FLAGS_EXPERTS``: bits 24-28) made calls that the flags did not tell apart.
+FLAG_TOPK_WEIGHTS, FLAG_SHARED_EXPERT = 1 << 22, 1 << 23
+EXPERTS_SHIFT = 24
+#: The largest K the descriptor holds: its flags end at bit 28 (15 bits in word 3, 14 beside the region's
+#: top bit in the last word).
+MAX_EXPERTS = 31
+FLAGS_EXPERTS = MAX_EXPERTS << EXPERTS_SHIFT
+#: The last bit a descriptor carries.
+MAX_FLAG_BIT = 28
 #: A float32 call: only the host compares such calls (the reference path); no kernel takes one.
 FLAG_FP32 = 1 << 20
 _FLAG_WORDS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYER_NORM, "LayerNorm"),
@@ -57,6 +67,8 @@ _FLAG_WORDS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYER_NO
                (FLAG_DYNAMIC_TOKEN, "fp8 output scaled per token"),
                (FLAG_DYNAMIC_GROUP, "fp8 output scaled per group"), (FLAG_FP8_WIRE, "fp8 wire"),
                (FLAG_NO_NORM, "no norm"), (FLAG_MOE_FINALIZE, "MoE finalize"),
+               (FLAGS_EXPERTS, lambda flags: f"{(flags & FLAGS_EXPERTS) >> EXPERTS_SHIFT} experts a token"),
+               (FLAG_TOPK_WEIGHTS, "topk_weights"), (FLAG_SHARED_EXPERT, "shared expert"),
                (FLAG_NORMED_COPY, "a copy of the norm's output"), (FLAG_UE8M0, "UE8M0 scales"),
                (FLAG_SCALES_COLUMNS, "column-major scales"), (FLAG_SCALES_PACKED, "packed UE8M0 scales"),
                (FLAG_NVFP4, "NVFP4 output"), (FLAG_MXFP4, "MXFP4 output"),
@@ -94,11 +106,11 @@ def call_flags(dtype: torch.dtype, has_residual: bool) -> int:
 
 
 def explain_flags(flags: int) -> str:
-    """A flags word as words: ``bfloat16, residual, MoE finalize``."""
+    """A flags word as words: ``bfloat16, residual, MoE finalize, 3 experts a token, topk_weights``."""
     dtype = "bfloat16" if flags & FLAG_BF16 else "float16" if flags & FLAG_FP16 else "float32" \
         if flags & FLAG_FP32 else "?"
     return ", ".join([dtype, "residual" if flags & FLAG_RESIDUAL else "no residual"]
-                     + [word for bit, word in _FLAG_WORDS if flags & bit])
+                     + [word if isinstance(word, str) else word(flags) for bits, word in _FLAG_WORDS if flags & bits])
 
 
 def explain_descriptor(words: list[int], other: list[int] | None = None) -> str:

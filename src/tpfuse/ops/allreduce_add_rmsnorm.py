@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from tpfuse.kernels import block_end, formats
+from tpfuse.kernels import block_end, formats, layout
 from tpfuse.kernels.block_end import Epilogue
 from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.targets import fp8_format
@@ -104,6 +104,9 @@ def _check_experts(x: torch.Tensor, epilogue: Epilogue) -> None:
     if epilogue.experts != x.shape[1]:
         raise ValueError(f"x has shape {tuple(x.shape)}, the outputs of {x.shape[1]} experts a token: pass "
                          f"experts={x.shape[1]} (got {epilogue.experts})")
+    if x.shape[1] > layout.MAX_EXPERTS:  # K travels in the call descriptor, which ranks compare
+        raise ValueError(f"x has shape {tuple(x.shape)}: a MoE finalize takes at most {layout.MAX_EXPERTS} "
+                         "experts a token")
 
 
 def _check_like_x(name: str, t, shape: torch.Size, device: torch.device, dtype: torch.dtype,
