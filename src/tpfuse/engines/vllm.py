@@ -143,9 +143,7 @@ class FusionPass(InductorPass):
         # (tpfuse.compiler checks the kernels' dtype and hidden size as ever).
         limit = max(end, self.limit) if self.every_range and end is not None else None
         inner = tpfuse_pass.FusionPass(max_tokens=end, fusion_limit=limit, vllm_groups=_groups_of(graph))
-        inner(graph)
-        if self.every_range and inner.reports:
-            _say_unfused_in_batch_invariant_mode(inner.reports[-1])
+        inner(graph)  # in batch-invariant mode its report warns of the sites left unfused
 
     def uuid(self) -> str:
         # Inductor's cache key: tpfuse's pass code and this pass's sizes (vLLM adds the compile range).
@@ -508,14 +506,3 @@ def _groups_of(graph: torch.fx.Graph) -> dict[str, str]:
         if coordinator is not None and coordinator.device_group is not None:
             found[name] = coordinator.device_group.group_name
     return found
-
-
-def _say_unfused_in_batch_invariant_mode(sites) -> None:
-    """In batch-invariant mode, name the sites that stay vLLM's: served by vLLM's all-reduce and norm, which
-    are batch-invariant only where vLLM makes them so (CUDA: ``all_reduce_batch_invariant``; not the CPU
-    build's communicator), and whose bits differ from tpfuse's fused sites."""
-    left = [s for s in sites if not s.fused and not s.plain]
-    if left:
-        log.warning("tpfuse: batch-invariant mode: %d all-reduce site(s) stay vLLM's, not tpfuse's "
-                    "(batch-invariant only as far as vLLM's own all-reduce and norm are): %s", len(left),
-                    "; ".join(str(s) for s in left))
