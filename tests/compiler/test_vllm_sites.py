@@ -17,9 +17,10 @@ HIDDEN, EPS = 64, 1e-6
 FUSED = torch.ops.tpfuse.allreduce_add_rmsnorm.default
 SCHEMAS = {
     ("vllm", "all_reduce"): "all_reduce(Tensor tensor, str group_name) -> Tensor",
-    ("vllm_ir", "rms_norm"): "rms_norm(Tensor x, Tensor? weight, float epsilon, SymInt? variance_size=None) -> Tensor",
-    ("vllm_ir", "fused_add_rms_norm"): ("fused_add_rms_norm(Tensor x, Tensor x_residual, Tensor? weight, float epsilon, "
-                                        "SymInt? variance_size=None) -> (Tensor, Tensor)"),
+    ("vllm_ir", "rms_norm"): ("rms_norm(Tensor x, Tensor? weight, float epsilon, SymInt? variance_size=None) "
+                              "-> Tensor"),
+    ("vllm_ir", "fused_add_rms_norm"): ("fused_add_rms_norm(Tensor x, Tensor x_residual, Tensor? weight, "
+                                        "float epsilon, SymInt? variance_size=None) -> (Tensor, Tensor)"),
 }
 _libraries = []
 
@@ -55,14 +56,15 @@ def vllm_graph(model, *inputs) -> torch.fx.Graph:
     mode = FakeTensorMode(shape_env=ShapeEnv())
 
     def fake(t):
-        sizes = [DimDynamic.DYNAMIC if t.dim() == 2 and i == 0 and t.shape[1] != t.shape[0] else DimDynamic.STATIC
-                 for i in range(t.dim())]
+        sizes = [DimDynamic.DYNAMIC if t.dim() == 2 and i == 0 and t.shape[1] != t.shape[0]
+                 else DimDynamic.STATIC for i in range(t.dim())]
         return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
 
     from torch._inductor.decomposition import select_decomp_table
 
     with mode:  # Inductor's decompositions, as its post-grad graph has them (casts as convert_element_type)
-        return make_fx(model, tracing_mode="fake", decomposition_table=select_decomp_table())(*map(fake, inputs)).graph
+        return make_fx(model, tracing_mode="fake",
+                       decomposition_table=select_decomp_table())(*map(fake, inputs)).graph
 
 
 def native_norm(x, weight, eps):
@@ -171,7 +173,8 @@ def test_an_all_reduce_without_a_norm_after_it_says_where_it_goes():
     fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
     fusion(graph)
     (site,) = fusion.reports[-1]
-    assert not site.fused and "no vLLM RMSNorm follows the all-reduce; its result goes to aten::mul" in site.reason
+    assert not site.fused and ("no vLLM RMSNorm follows the all-reduce; its result goes to aten::mul"
+                               in site.reason)
     assert site.code == "no-pattern"
     # ... and it runs on tpfuse's plain all-reduce, in vLLM's group's process group
     assert site.plain
@@ -218,7 +221,8 @@ def test_gemmas_fp32_weight_plus_one_fuses():
         residual = x * 2  # the same symbolic token count as the sum, as vLLM's graphs have
         return add_norm(all_reduce(x, "tp:0"), residual, weight.float() + 1.0, EPS)
 
-    graph = vllm_graph(forward, torch.randn(4, HIDDEN, dtype=torch.bfloat16), torch.randn(HIDDEN, dtype=torch.bfloat16))
+    graph = vllm_graph(forward, torch.randn(4, HIDDEN, dtype=torch.bfloat16),
+                       torch.randn(HIDDEN, dtype=torch.bfloat16))
     fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
     fusion(graph)
     (fused,) = [n for n in graph.nodes if n.target is FUSED]
@@ -226,10 +230,12 @@ def test_gemmas_fp32_weight_plus_one_fuses():
 
 
 C_SCHEMAS = {
-    "fused_add_rms_norm_static_fp8_quant": ("(Tensor(a!) result, Tensor input, Tensor(b!) residual, Tensor weight, "
-                                            "Tensor scale, float epsilon) -> ()"),
-    "rms_norm_static_fp8_quant": "(Tensor(a!) result, Tensor input, Tensor weight, Tensor scale, float epsilon) -> ()",
-    "static_scaled_fp8_quant": "(Tensor(a!) result, Tensor input, Tensor scale, int[]? group_shape=None) -> ()",
+    "fused_add_rms_norm_static_fp8_quant": ("(Tensor(a!) result, Tensor input, Tensor(b!) residual, "
+                                            "Tensor weight, Tensor scale, float epsilon) -> ()"),
+    "rms_norm_static_fp8_quant": ("(Tensor(a!) result, Tensor input, Tensor weight, Tensor scale, "
+                                  "float epsilon) -> ()"),
+    "static_scaled_fp8_quant": ("(Tensor(a!) result, Tensor input, Tensor scale, "
+                                "int[]? group_shape=None) -> ()"),
     "per_token_group_fp8_quant": ("(Tensor input, Tensor(a!) output_q, Tensor(b!) output_s, int group_size, "
                                   "float eps, float fp8_min, float fp8_max, bool scale_ue8m0, "
                                   "bool dummy_is_scale_transposed, bool dummy_is_tma_aligned) -> ()"),
@@ -237,7 +243,8 @@ C_SCHEMAS = {
                                          "int group_size, float eps, float fp8_min, float fp8_max) -> ()"),
     "scaled_fp4_quant": ("(Tensor(a!) output, Tensor input, Tensor(b!) output_scale, Tensor input_scale, "
                          "bool is_sf_swizzled_layout) -> ()"),
-    "dynamic_per_token_scaled_fp8_quant": "(Tensor(a!) result, Tensor input, Tensor(b!) scale, Tensor? scale_ub) -> ()",
+    "dynamic_per_token_scaled_fp8_quant": ("(Tensor(a!) result, Tensor input, Tensor(b!) scale, "
+                                           "Tensor? scale_ub) -> ()"),
 }
 
 
@@ -270,10 +277,11 @@ def test_static_fp8_as_vllm_writes_it_fuses_whole(form):
                                           residual=residual, weight=weight, scale=scale, epsilon=EPS)
             return q, h
         if form == "vllm-fused":
-            _, q = auto_functionalized(ops.rms_norm_static_fp8_quant.default, result=q, input=s, weight=weight,
-                                       scale=scale, epsilon=EPS)
+            _, q = auto_functionalized(ops.rms_norm_static_fp8_quant.default, result=q, input=s,
+                                       weight=weight, scale=scale, epsilon=EPS)
             return q, s
-        out, h = add_norm(s, residual, weight, EPS) if form == "ir-add-then-quant" else (norm(s, weight, EPS), s)
+        out, h = (add_norm(s, residual, weight, EPS) if form == "ir-add-then-quant"
+                  else (norm(s, weight, EPS), s))
         _, q = auto_functionalized(ops.static_scaled_fp8_quant.default, result=q, input=out, scale=scale,
                                    group_shape=None)
         return q, h
@@ -283,8 +291,10 @@ def test_static_fp8_as_vllm_writes_it_fuses_whole(form):
     fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
     fusion(graph)
     (site,) = fusion.reports[-1]
-    assert site.fused and site.pattern == ("AllReduceAddRMSNormQuant" if "add" in form else "AllReduceRMSNormQuant")
-    left = [t for t in targets(graph) if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
+    assert site.fused and site.pattern == ("AllReduceAddRMSNormQuant" if "add" in form
+                                           else "AllReduceRMSNormQuant")
+    left = [t for t in targets(graph)
+            if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
     assert left == [], left
     (fused,) = [n for n in graph.nodes if n.target is FUSED]
     assert fused.kwargs["quant_scale"].op == "placeholder" and (fused.args[1] is None) == ("add" not in form)
@@ -292,7 +302,8 @@ def test_static_fp8_as_vllm_writes_it_fuses_whole(form):
     q, h = outputs
     while q.target is torch.ops.aten.reshape.default:
         q = q.args[0]
-    assert q.target is operator.getitem and q.args == (fused, 0) and q.meta["val"].dtype == torch.float8_e4m3fn
+    assert (q.target is operator.getitem and q.args == (fused, 0)
+            and q.meta["val"].dtype == torch.float8_e4m3fn)
 
 
 def test_gemmas_post_norm_into_the_next_add_fuses_as_one_site():
@@ -327,7 +338,8 @@ def test_group_fp8_as_vllm_writes_it_fuses_whole(form):
 
     all_reduce, add_norm, _ = _vllm_ops()
     ops = _vllm_fp8_ops()
-    group = 48 if form == "groups of 48" else 8 if form.startswith("packed") else 16  # packed: two words a row
+    group = (48 if form == "groups of 48"
+             else 8 if form.startswith("packed") else 16)  # packed: two words a row
     fp8_max = 224.0 if form == "range of 224" else 448.0
 
     def forward(x, weight):
@@ -337,23 +349,26 @@ def test_group_fp8_as_vllm_writes_it_fuses_whole(form):
         tokens, groups = out.shape[0], HIDDEN // group
         if form == "columns":  # DeepGEMM's on Hopper: column-major, the tokens padded to 4
             scales = torch.empty((groups, (tokens + 3) // 4 * 4), dtype=torch.float32).t()[:tokens]
-        elif form.startswith("packed"):  # as vLLM's per_token_group_quant_fp8_packed_for_deepgemm allocates them
+        elif form.startswith("packed"):
+            # as vLLM's per_token_group_quant_fp8_packed_for_deepgemm allocates them
             words, padded = (groups + 3) // 4, (tokens + 3) // 4 * 4
             scales = torch.empty_strided((tokens, words), (1, padded) if form == "packed" else (words, 1),
                                          dtype=torch.int32)
-            _, q, scales = auto_functionalized(ops.per_token_group_fp8_quant_packed.default, input=out, output_q=q,
-                                               output_s_packed=scales, group_size=group, eps=1e-10,
-                                               fp8_min=-fp8_max, fp8_max=fp8_max)
+            _, q, scales = auto_functionalized(ops.per_token_group_fp8_quant_packed.default, input=out,
+                                               output_q=q, output_s_packed=scales, group_size=group,
+                                               eps=1e-10, fp8_min=-fp8_max, fp8_max=fp8_max)
             return q, scales, h
         else:
             scales = torch.empty((tokens, groups), dtype=torch.float32)
         _, q, scales = auto_functionalized(ops.per_token_group_fp8_quant.default, input=out, output_q=q,
                                            output_s=scales, group_size=group, eps=1e-10, fp8_min=-fp8_max,
                                            fp8_max=fp8_max, scale_ue8m0=form == "ue8m0",
-                                           dummy_is_scale_transposed=form == "columns", dummy_is_tma_aligned=False)
+                                           dummy_is_scale_transposed=form == "columns",
+                                           dummy_is_tma_aligned=False)
         return q, scales, h
 
-    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16), torch.randn(HIDDEN, dtype=torch.bfloat16))
+    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16),
+                       torch.randn(HIDDEN, dtype=torch.bfloat16))
     fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
     fusion(graph)
     (site,) = fusion.reports[-1]
@@ -363,14 +378,17 @@ def test_group_fp8_as_vllm_writes_it_fuses_whole(form):
         assert site.code == "vllm-form"
         return
     assert site.fused and site.pattern == "AllReduceAddRMSNormDynamicQuant", site
-    left = [t for t in targets(graph) if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
+    left = [t for t in targets(graph)
+            if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
     assert left == [], left
     fused = [n for n in graph.nodes if n.op == "call_function" and n.target in (
-        torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default, torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default)]
+        torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default,
+        torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default)]
     (op,) = fused
     assert op.kwargs["scale_group"] == group
     assert op.kwargs.get("ue8m0_scales", False) is (form in ("ue8m0", "packed"))
-    assert op.kwargs.get("scale_layout", 0) == {"columns": SCALES_COLUMNS, "packed": SCALES_PACKED_UE8M0}.get(form, 0)
+    assert op.kwargs.get("scale_layout", 0) == {"columns": SCALES_COLUMNS,
+                                                 "packed": SCALES_PACKED_UE8M0}.get(form, 0)
     # The graph's scales output is the op's, with vLLM's layout (its strides) and dtype.
     outputs = next(n for n in graph.nodes if n.op == "output").args[0]
     assert outputs[1].meta["val"].stride() == (
@@ -402,23 +420,26 @@ def test_nvfp4_as_vllm_writes_it_fuses_whole(form):
             scales = torch.empty((rows, groups // 4), dtype=torch.int32)
         else:
             scales = torch.empty((tokens, HIDDEN // 16), dtype=torch.uint8)
-        _, q, scales = auto_functionalized(ops.scaled_fp4_quant.default, output=q, input=out, output_scale=scales,
-                                           input_scale=global_scale, is_sf_swizzled_layout=swizzled)
+        _, q, scales = auto_functionalized(ops.scaled_fp4_quant.default, output=q, input=out,
+                                           output_scale=scales, input_scale=global_scale,
+                                           is_sf_swizzled_layout=swizzled)
         return q, scales, h
 
     global_scale = torch.full((2,) if form == "global scale of two" else (1,), 448.0 * 6)
-    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16), torch.randn(HIDDEN, dtype=torch.bfloat16),
-                       global_scale)
+    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16),
+                       torch.randn(HIDDEN, dtype=torch.bfloat16), global_scale)
     fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
     fusion(graph)
     (site,) = fusion.reports[-1]
     if form != "swizzled":
         assert not site.fused and site.code == "vllm-form", site
         assert ("linear" if form == "linear" else "global scale") in site.reason, site
-        assert [n for n in graph.nodes if functionalized(n) == "_C::scaled_fp4_quant"], "vLLM's quant op is gone"
+        assert [n for n in graph.nodes if functionalized(n) == "_C::scaled_fp4_quant"], \
+            "vLLM's quant op is gone"
         return
     assert site.fused and site.pattern == "AllReduceAddRMSNormFp4Quant", site
-    left = [t for t in targets(graph) if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
+    left = [t for t in targets(graph)
+            if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
     assert left == [], left
     (op,) = [n for n in graph.nodes if n.target is torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default]
     assert op.kwargs["fp4"] == FP4_NVFP4 and op.kwargs["global_scale"].op == "placeholder"
@@ -431,7 +452,8 @@ def test_nvfp4_as_vllm_writes_it_fuses_whole(form):
     base = outputs[1]
     while base.target is torch.ops.aten.view.dtype:
         base = base.args[0]
-    assert base.target is operator.getitem and base.args[0] is op and base.meta["val"].dtype == torch.float8_e4m3fn
+    assert (base.target is operator.getitem and base.args[0] is op
+            and base.meta["val"].dtype == torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("form", ["per token", "bounded"])
@@ -449,12 +471,13 @@ def test_per_token_fp8_as_vllm_writes_it_fuses_whole(form):
         out, h = add_norm(all_reduce(x, "tp:0"), residual, weight, EPS)
         q = torch.empty_like(out, dtype=torch.float8_e4m3fn)
         scales = torch.empty((out.shape[0], 1), dtype=torch.float32)
-        _, q, scales = auto_functionalized(ops.dynamic_per_token_scaled_fp8_quant.default, result=q, input=out,
-                                           scale=scales, scale_ub=bound if form == "bounded" else None)
+        _, q, scales = auto_functionalized(ops.dynamic_per_token_scaled_fp8_quant.default, result=q,
+                                           input=out, scale=scales,
+                                           scale_ub=bound if form == "bounded" else None)
         return q, scales, h
 
-    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16), torch.randn(HIDDEN, dtype=torch.bfloat16),
-                       torch.ones(1))
+    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16),
+                       torch.randn(HIDDEN, dtype=torch.bfloat16), torch.ones(1))
     fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
     fusion(graph)
     (site,) = fusion.reports[-1]
@@ -462,13 +485,15 @@ def test_per_token_fp8_as_vllm_writes_it_fuses_whole(form):
         assert not site.fused and site.code == "vllm-form" and "scale_ub" in site.reason, site
         return
     assert site.fused and site.pattern == "AllReduceAddRMSNormDynamicQuant", site
-    left = [t for t in targets(graph) if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
+    left = [t for t in targets(graph)
+            if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
     assert left == [], left
     (op,) = [n for n in graph.nodes if n.target is torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default]
     assert op.kwargs["scale_group"] == HIDDEN and op.args[1] is not None
     outputs = next(n for n in graph.nodes if n.op == "output").args[0]
     scales = outputs[1].meta["val"]
-    assert scales.dtype == torch.float32 and scales.shape[-1] == 1 and outputs[0].meta["val"].dtype == torch.float8_e4m3fn
+    assert (scales.dtype == torch.float32 and scales.shape[-1] == 1
+            and outputs[0].meta["val"].dtype == torch.float8_e4m3fn)
 
 
 def _through_reshapes(node: torch.fx.Node) -> torch.fx.Node:
@@ -527,7 +552,8 @@ def test_a_scaled_sum_added_to_the_residual_fuses(form):
             return norm(h, weight, EPS), h * 2
         return add_norm(scaled, residual, weight, EPS)
 
-    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16), torch.randn(HIDDEN, dtype=torch.bfloat16))
+    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16),
+                       torch.randn(HIDDEN, dtype=torch.bfloat16))
     fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
     fusion(graph)
     (site,) = fusion.reports[-1]
@@ -547,7 +573,8 @@ def test_a_sum_scaled_by_a_value_computed_in_the_graph_stays_vllms():
     def forward(x, weight):
         return norm(all_reduce(x, "tp:0") * x.float().mean().to(torch.bfloat16), weight, EPS)
 
-    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16), torch.randn(HIDDEN, dtype=torch.bfloat16))
+    graph = vllm_graph(forward, torch.randn(6, HIDDEN, dtype=torch.bfloat16),
+                       torch.randn(HIDDEN, dtype=torch.bfloat16))
     fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
     fusion(graph)
     (site,) = fusion.reports[-1]

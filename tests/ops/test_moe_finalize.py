@@ -18,7 +18,8 @@ CASES = [Case(3, 4096, torch.bfloat16, experts=4, topk_weighted=True, shared_exp
          Case(4, 1024, torch.bfloat16, shared_expert=True, seed=4),  # a shared expert alone (x [T, H])
          Case(3, 4096, torch.bfloat16, experts=6, topk_weighted=True, shared_expert=True, scale_group=128,
               seed=5),
-         Case(40, 4096, torch.bfloat16, experts=2, topk_weighted=True, shared_expert=True, seed=6),  # > workspace
+         Case(40, 4096, torch.bfloat16, experts=2, topk_weighted=True, shared_expert=True,
+              seed=6),  # > workspace
          Case(3, 64, torch.float32, experts=4, topk_weighted=True, shared_expert=True, seed=7)]  # reference
 KERNEL_CASES = 6  # the others' dtype takes the reference path
 
@@ -72,7 +73,8 @@ def _bad_inputs(rank, world_size):
     for name, change in calls.items():
         args = dict(x=x, residual=None, topk_weights=None, shared_expert=None) | change
         try:
-            tpfuse.allreduce_add_rmsnorm(args["x"], args["residual"], weight, 1e-6, topk_weights=args["topk_weights"],
+            tpfuse.allreduce_add_rmsnorm(args["x"], args["residual"], weight, 1e-6,
+                                         topk_weights=args["topk_weights"],
                                          shared_expert=args["shared_expert"])
         except (TypeError, ValueError) as exc:
             found[name] = (type(exc), str(exc))
@@ -96,7 +98,8 @@ BAD = {"4-D x": (ValueError, "[tokens, K, hidden] for a MoE finalize"),
 def test_bad_input_is_named(rank_pool):
     for found in rank_pool(2).run(_bad_inputs):
         for name, (error, message) in BAD.items():
-            assert name in found and found[name][0] is error and message in found[name][1], (name, found.get(name))
+            assert name in found and found[name][0] is error and message in found[name][1], \
+                (name, found.get(name))
 
 
 # Finalizes that differ between the ranks in what the block end's flags alone did not tell apart: the

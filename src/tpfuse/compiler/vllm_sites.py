@@ -42,8 +42,20 @@ import torch
 from torch.fx import Graph, Node
 
 from tpfuse.compiler.matchers import (
-    aten, converts_to, fp8_of, is_add, is_call, is_row_vector, is_scalar, match_finalize, match_rmsnorm, meta_val,
-    only_user, other_arg, prims, residual_problem,
+    aten,
+    converts_to,
+    fp8_of,
+    is_add,
+    is_call,
+    is_row_vector,
+    is_scalar,
+    match_finalize,
+    match_rmsnorm,
+    meta_val,
+    only_user,
+    other_arg,
+    prims,
+    residual_problem,
 )
 from tpfuse.compiler.patterns import PATTERNS_BY_NAME, FusionPattern, Match, site_problem
 from tpfuse.compiler.reasons import DYNAMIC_HIDDEN, Reason
@@ -177,42 +189,48 @@ def find_site(all_reduce: Node, group_name: str) -> tuple[Match | None, Reason |
                                       f"{targets or 'nothing'}")
 
 
-def _ir_site(all_reduce: Node, group_name: str, hidden: int, norm: Node) -> tuple[Match | None, Reason | None]:
+def _ir_site(all_reduce: Node, group_name: str, hidden: int,
+             norm: Node) -> tuple[Match | None, Reason | None]:
     """The site of vLLM's IR norm ``norm`` (``fused_add_rms_norm`` or ``rms_norm``) of the sum."""
     x, val = all_reduce.args[0], meta_val(all_reduce)
     if op_name(norm) == ADD_NORM:
         if len(all_reduce.users) != 1:
             return None, Reason("outside-users", "the all-reduce's result has users besides vLLM's "
-                                                 "fused_add_rms_norm (the fused op gives the sum only after the "
-                                                 "residual add)")
+                                                 "fused_add_rms_norm (the fused op gives the sum only after "
+                                                 "the residual add)")
         residual = norm.args[1] if norm.args[0] is all_reduce else norm.args[0]
-        weight, eps, variance_size = _arg(norm, 2, "weight"), _arg(norm, 3, "epsilon"), _arg(norm, 4, "variance_size")
+        weight, eps, variance_size = (_arg(norm, 2, "weight"), _arg(norm, 3, "epsilon"),
+                                      _arg(norm, 4, "variance_size"))
     else:
         residual = None
-        weight, eps, variance_size = _arg(norm, 1, "weight"), _arg(norm, 2, "epsilon"), _arg(norm, 3, "variance_size")
+        weight, eps, variance_size = (_arg(norm, 1, "weight"), _arg(norm, 2, "epsilon"),
+                                      _arg(norm, 3, "variance_size"))
     if weight is None:
         return None, Reason("vllm-form", "vLLM's norm has no weight")
     if variance_size is not None:
-        return None, Reason("vllm-form", "vLLM's norm takes its variance over part of the row (variance_size)")
+        return None, Reason("vllm-form",
+                            "vLLM's norm takes its variance over part of the row (variance_size)")
     graph = all_reduce.graph
     after = next(iter(norm.users)) if residual is None and len(norm.users) == 1 else None
-    if after is not None and op_name(after) == ADD_NORM and after.args[0] is norm and len(all_reduce.users) == 1:
+    if (after is not None and op_name(after) == ADD_NORM and after.args[0] is norm
+            and len(all_reduce.users) == 1):
         # Gemma 2/3: the norm of the sum (its post-norm) is what the next add takes: one site, the
         # post-norm's gain the op's sum_weight (vLLM rounds the post-norm's output first, the kernels not)
         gain, norm_eps = _arg(after, 2, "weight"), _arg(after, 3, "epsilon")
         if gain is not None and _arg(after, 4, "variance_size") is None:
-            match = Match(all_reduce, x, group_name, "sum", _output(graph, after, 1), _output(graph, after, 0), gain,
-                          float(norm_eps), hidden, residual=after.args[1], internal=[all_reduce, norm, after],
-                          sum_weight=weight)
+            match = Match(all_reduce, x, group_name, "sum", _output(graph, after, 1),
+                          _output(graph, after, 0), gain, float(norm_eps), hidden, residual=after.args[1],
+                          internal=[all_reduce, norm, after], sum_weight=weight)
             match.problem = residual_problem(match.residual, all_reduce, val, hidden) or (
-                Reason("operands", f"the post-norm's eps {float(eps)} differs from the norm's {float(norm_eps)}")
+                Reason("operands", f"the post-norm's eps {float(eps)} differs from the norm's "
+                                   f"{float(norm_eps)}")
                 if float(eps) != float(norm_eps) else None)
             return match, None
     if residual is None:  # h is the sum itself; its other users read the op's h
         match = Match(all_reduce, x, group_name, "sum", all_reduce, norm, weight, float(eps), hidden)
     else:
-        match = Match(all_reduce, x, group_name, "sum", _output(graph, norm, 1), _output(graph, norm, 0), weight,
-                      float(eps), hidden, residual=residual, internal=[all_reduce, norm])
+        match = Match(all_reduce, x, group_name, "sum", _output(graph, norm, 1), _output(graph, norm, 0),
+                      weight, float(eps), hidden, residual=residual, internal=[all_reduce, norm])
         match.problem = residual_problem(residual, all_reduce, val, hidden)
     return match, None
 
@@ -227,11 +245,11 @@ def _quantised_site(all_reduce: Node, group_name: str, hidden: int,
     if functionalized(fused) == ADD_NORM_QUANT:
         if len(all_reduce.users) != 1:
             return None, Reason("outside-users", "the all-reduce's result has users besides vLLM's "
-                                                 "fused_add_rms_norm_static_fp8_quant (the fused op gives the sum "
-                                                 "only after the residual add)")
+                                                 "fused_add_rms_norm_static_fp8_quant (the fused op gives "
+                                                 "the sum only after the residual add)")
         return Match(all_reduce, x, group_name, "sum", _output(graph, fused, 2), _output(graph, fused, 1),
-                     kw["weight"], float(kw["epsilon"]), hidden, residual=kw["residual"], quant_scale=kw["scale"],
-                     internal=[all_reduce, fused]), None
+                     kw["weight"], float(kw["epsilon"]), hidden, residual=kw["residual"],
+                     quant_scale=kw["scale"], internal=[all_reduce, fused]), None
     return Match(all_reduce, x, group_name, "sum", all_reduce, _output(graph, fused, 1), kw["weight"],
                  float(kw["epsilon"]), hidden, quant_scale=kw["scale"], internal=[fused]), None
 
@@ -260,21 +278,21 @@ def _with_quant(match: Match) -> Match:
 
 
 def _with_group_quant(match: Match, quant: Node) -> None:
-    """On ``match``, the quantisation of vLLM's ``per_token_group_fp8_quant`` (or ``..._packed``) of its output:
-    dynamic fp8 with a scale a ``group_size`` elements (rounded up to powers of two with ``scale_ue8m0``,
-    always in the packed op), the scales where vLLM's ``output_s`` has them (row-major, or column-major with
-    the tokens padded to 4; the packed op's ``output_s_packed`` as UE8M0 bytes four to an int32, group
-    ``4j + k`` in byte ``k`` of word ``j``, in the same column-major layout: the op's ``scale_layout``).
-    vLLM floors each group's largest value at ``eps`` (1e-10), the op each scale at ``1 / (448 * 512)``:
-    they differ only for a group whose largest value is below 1 / 512, where both scales stand for the
-    values (``q * scale``). A clamp other than the device's fp8 range (vLLM's 224 on ROCm's fnuz) stays
-    unfused."""
+    """On ``match``, the quantisation of vLLM's ``per_token_group_fp8_quant`` (or ``..._packed``) of its
+    output: dynamic fp8 with a scale a ``group_size`` elements (rounded up to powers of two with
+    ``scale_ue8m0``, always in the packed op), the scales where vLLM's ``output_s`` has them (row-major, or
+    column-major with the tokens padded to 4; the packed op's ``output_s_packed`` as UE8M0 bytes four to an
+    int32, group ``4j + k`` in byte ``k`` of word ``j``, in the same column-major layout: the op's
+    ``scale_layout``). vLLM floors each group's largest value at ``eps`` (1e-10), the op each scale at
+    ``1 / (448 * 512)``: they differ only for a group whose largest value is below 1 / 512, where both scales
+    stand for the values (``q * scale``). A clamp other than the device's fp8 range (vLLM's 224 on ROCm's
+    fnuz) stays unfused."""
     kw, fmt, hidden = quant.kwargs, fp8_of(match.out), match.hidden
     packed = functionalized(quant) == PACKED_GROUP_QUANT
     group = int(kw["group_size"])
     if not (group == hidden or (group >= 8 and group & (group - 1) == 0 and hidden % group == 0)):
-        match.problem = Reason("vllm-form", f"vLLM's fp8 groups of {group} are not the hidden size {hidden} or a "
-                                            "power of two dividing it")
+        match.problem = Reason("vllm-form", f"vLLM's fp8 groups of {group} are not the hidden size {hidden} "
+                                            "or a power of two dividing it")
     # (some vLLM builds name the packed op's range min_8bit / max_8bit)
     low, high = kw.get("fp8_min", kw.get("min_8bit")), kw.get("fp8_max", kw.get("max_8bit"))
     if float(high) != fmt.max or float(low) != -fmt.max:
@@ -293,48 +311,50 @@ def _with_group_quant(match: Match, quant: Node) -> None:
 
 
 def _with_token_quant(match: Match, quant: Node) -> None:
-    """On ``match``, the quantisation of vLLM's ``dynamic_per_token_scaled_fp8_quant`` of its output: a scale a token,
-    ``max(amax / 448, 1 / (448 * 512))`` as the op's (``scale_group`` = the hidden size), vLLM's ``[T, 1]``
-    scales the op's. vLLM multiplies by the scale's reciprocal, the kernels divide: one rounding apart.
-    An upper bound on the scales (``scale_ub``) or another fp8 range (vLLM's 224 on ROCm's fnuz) stays
+    """On ``match``, the quantisation of vLLM's ``dynamic_per_token_scaled_fp8_quant`` of its output: a scale
+    a token, ``max(amax / 448, 1 / (448 * 512))`` as the op's (``scale_group`` = the hidden size), vLLM's
+    ``[T, 1]`` scales the op's. vLLM multiplies by the scale's reciprocal, the kernels divide: one rounding
+    apart. An upper bound on the scales (``scale_ub``) or another fp8 range (vLLM's 224 on ROCm's fnuz) stays
     vLLM's."""
     kw, fmt = quant.kwargs, fp8_of(match.out)
     if kw.get("scale_ub") is not None:
-        match.problem = Reason("vllm-form", "vLLM bounds the per-token fp8 scales (scale_ub); the op does not")
+        match.problem = Reason("vllm-form",
+                               "vLLM bounds the per-token fp8 scales (scale_ub); the op does not")
     elif fmt.max != 448.0:
-        match.problem = Reason("vllm-form", f"vLLM's per-token fp8 on this device quantises to +-224, the op to "
-                                            f"+-{fmt.max}")
+        match.problem = Reason("vllm-form", f"vLLM's per-token fp8 on this device quantises to +-224, "
+                                            f"the op to +-{fmt.max}")
     match.scale_group = match.hidden
 
 
 def _with_fp4_quant(match: Match, quant: Node) -> None:
-    """On ``match``, the quantisation of vLLM's ``scaled_fp4_quant`` of its output: NVFP4 codes and e4m3 scales a 16
-    elements in the swizzled 128 x 4 tiles (the op's ``fp4=FP4_NVFP4`` with vLLM's ``input_scale`` as
-    ``global_scale``); the op's scales replace vLLM's ``output_scale`` as the same bytes, four to an int32
+    """On ``match``, the quantisation of vLLM's ``scaled_fp4_quant`` of its output: NVFP4 codes and e4m3
+    scales a 16 elements in the swizzled 128 x 4 tiles (the op's ``fp4=FP4_NVFP4`` with vLLM's ``input_scale``
+    as ``global_scale``); the op's scales replace vLLM's ``output_scale`` as the same bytes, four to an int32
     as vLLM allocates them. vLLM multiplies each group by ``1 / (s / g)``, the kernels by ``g / s``: one
     rounding apart. Linear (unswizzled) scales or scales of another size stay vLLM's."""
     kw, hidden, group = quant.kwargs, match.hidden, FP4_GROUP[FP4_NVFP4]
     scales_val, global_val = meta_val(kw["output_scale"]), meta_val(kw["input_scale"])
     columns = -(-(hidden // group) // 4) * 4  # the op's scale bytes a row: the groups rounded up to 4
     if hidden % group:
-        match.problem = Reason("vllm-form", f"NVFP4 scales {group} elements each: the hidden size {hidden} is not "
-                                            "a multiple")
+        match.problem = Reason("vllm-form", f"NVFP4 scales {group} elements each: the hidden size {hidden} "
+                                            "is not a multiple")
     elif not kw.get("is_sf_swizzled_layout", True):
         match.problem = Reason("vllm-form", "vLLM's NVFP4 scales are linear here; the op writes the swizzled "
                                             "128 x 4 tiles of the FP4 GEMMs")
     elif scales_val.dim() != 2 or scales_val.stride()[-1] != 1 or \
             static_int(scales_val.shape[1]) != columns // scales_val.element_size():
-        match.problem = Reason("vllm-form", f"vLLM's NVFP4 scales {tuple(scales_val.shape)} {scales_val.dtype} "
-                                            f"are not {columns} bytes a row, contiguous")
+        match.problem = Reason("vllm-form", f"vLLM's NVFP4 scales {tuple(scales_val.shape)} "
+                                            f"{scales_val.dtype} are not {columns} bytes a row, contiguous")
     elif global_val is None or global_val.dtype != torch.float32 or global_val.numel() != 1:
-        match.problem = Reason("vllm-form", "vLLM's NVFP4 global scale is not a float32 tensor of one element")
+        match.problem = Reason("vllm-form",
+                               "vLLM's NVFP4 global scale is not a float32 tensor of one element")
     match.fp4, match.global_scale = FP4_NVFP4, kw["input_scale"]
 
 
 #: vLLM's quant ops that write scales, by name: each sets the op's quantisation on the match (and any
 #: problem); the op's y and scales take the places of the quant op's outputs 1 and 2.
-_SCALED_QUANTS = {GROUP_QUANT: _with_group_quant, PACKED_GROUP_QUANT: _with_group_quant, TOKEN_QUANT: _with_token_quant,
-                  FP4_QUANT: _with_fp4_quant}
+_SCALED_QUANTS = {GROUP_QUANT: _with_group_quant, PACKED_GROUP_QUANT: _with_group_quant,
+                  TOKEN_QUANT: _with_token_quant, FP4_QUANT: _with_fp4_quant}
 
 
 def _scale_layout(scales: torch.Tensor, groups: int, packed: bool = False) -> int | None:
@@ -371,7 +391,8 @@ def _factor_problem(factor: object, product: Node, all_reduce: Node) -> Reason |
     """Why the op may not take ``factor`` as each rank's ``x_scale`` (None: it may). Scaling every rank's
     part scales the sum only where the factor is the same on every rank: a number, or a tensor the graph
     takes as an input (a model's buffer or parameter: replicated), seen through views; a tensor computed
-    in the graph may differ between ranks. The product must keep the sum's dtype (vLLM's next norm reads it)."""
+    in the graph may differ between ranks. The product must keep the sum's dtype (vLLM's next norm reads
+    it)."""
     if meta_val(product).dtype != meta_val(all_reduce).dtype:
         return Reason("operands", f"the sum times a {meta_val(factor).dtype} tensor is "
                                   f"{meta_val(product).dtype}, not the sum's {meta_val(all_reduce).dtype}")
@@ -408,23 +429,27 @@ def _scaled_site(all_reduce: Node, group_name: str, hidden: int, product: Node,
     graph = all_reduce.graph
     problem = _factor_problem(factor, product, all_reduce)
     norms = [u for u in product.users if op_name(u) == NORM and u.args[0] is product]
-    add_norms = [u for u in product.users if op_name(u) == ADD_NORM and product in u.args[:(1 if norms else 2)]]
+    add_norms = [u for u in product.users
+                 if op_name(u) == ADD_NORM and product in u.args[:(1 if norms else 2)]]
     adds = [u for u in product.users if is_add(u)] if not (norms or add_norms) else []
     match = None
     if norms:
         norm = norms[0]
-        weight, eps, variance_size = _arg(norm, 1, "weight"), _arg(norm, 2, "epsilon"), _arg(norm, 3, "variance_size")
+        weight, eps, variance_size = (_arg(norm, 1, "weight"), _arg(norm, 2, "epsilon"),
+                                      _arg(norm, 3, "variance_size"))
         match = Match(all_reduce, x, group_name, "sum", product, norm, weight, float(eps), hidden,
                       internal=[all_reduce])
     elif add_norms:
         norm = add_norms[0]
         if len(product.users) != 1:
-            return None, Reason("outside-users", "the scaled sum has users besides vLLM's fused_add_rms_norm (the "
-                                                 "fused op gives the sum only after the residual add)")
+            return None, Reason("outside-users", "the scaled sum has users besides vLLM's "
+                                                 "fused_add_rms_norm (the fused op gives the sum only after "
+                                                 "the residual add)")
         residual = norm.args[1] if norm.args[0] is product else norm.args[0]
-        weight, eps, variance_size = _arg(norm, 2, "weight"), _arg(norm, 3, "epsilon"), _arg(norm, 4, "variance_size")
-        match = Match(all_reduce, x, group_name, "sum", _output(graph, norm, 1), _output(graph, norm, 0), weight,
-                      float(eps), hidden, residual=residual, internal=[all_reduce, product, norm])
+        weight, eps, variance_size = (_arg(norm, 2, "weight"), _arg(norm, 3, "epsilon"),
+                                      _arg(norm, 4, "variance_size"))
+        match = Match(all_reduce, x, group_name, "sum", _output(graph, norm, 1), _output(graph, norm, 0),
+                      weight, float(eps), hidden, residual=residual, internal=[all_reduce, product, norm])
         match.problem = residual_problem(residual, all_reduce, val, hidden)
     elif len(adds) == 1 and len(product.users) == 1:
         add = adds[0]
@@ -432,17 +457,19 @@ def _scaled_site(all_reduce: Node, group_name: str, hidden: int, product: Node,
         if not after:
             return None, None
         norm = after[0]
-        weight, eps, variance_size = _arg(norm, 1, "weight"), _arg(norm, 2, "epsilon"), _arg(norm, 3, "variance_size")
+        weight, eps, variance_size = (_arg(norm, 1, "weight"), _arg(norm, 2, "epsilon"),
+                                      _arg(norm, 3, "variance_size"))
         residual = other_arg(add, product)
-        match = Match(all_reduce, x, group_name, "sum", add, norm, weight, float(eps), hidden, residual=residual,
-                      internal=[all_reduce, product])
+        match = Match(all_reduce, x, group_name, "sum", add, norm, weight, float(eps), hidden,
+                      residual=residual, internal=[all_reduce, product])
         match.problem = residual_problem(residual, add, val, hidden)
     if match is None:
         return None, None
     if weight is None:
         return None, Reason("vllm-form", "vLLM's norm has no weight")
     if variance_size is not None:
-        return None, Reason("vllm-form", "vLLM's norm takes its variance over part of the row (variance_size)")
+        return None, Reason("vllm-form",
+                            "vLLM's norm takes its variance over part of the row (variance_size)")
     match.x_scale = factor
     match.problem = problem or match.problem
     return match, None
@@ -461,7 +488,8 @@ def _native_site(all_reduce: Node, group_name: str, hidden: int) -> Match | None
         # and reads the op's h, which the sum's other users read too.
         internal = [n for n in internal
                     if not (is_call(n, prims.convert_element_type.default) and n.args[0] is all_reduce)]
-        return Match(all_reduce, x, group_name, "sum", all_reduce, out, weight, eps, hidden, internal=internal)
+        return Match(all_reduce, x, group_name, "sum", all_reduce, out, weight, eps, hidden,
+                     internal=internal)
     # Else the sum is read only through its fp32 cast, added to the residual's (the add is symmetric: the
     # sum is the side whose only reader it is; an earlier sum that is this add's residual is read twice).
     cast = only_user(all_reduce)
@@ -476,8 +504,8 @@ def _native_site(all_reduce: Node, group_name: str, hidden: int) -> Match | None
         return None
     out, weight, eps, internal = norm
     own = [all_reduce, cast] + ([other] if len(other.users) == 1 else [])
-    return Match(all_reduce, x, group_name, "sum", _cast(all_reduce.graph, add, dtype), out, weight, eps, hidden,
-                 residual=other.args[0], internal=own + [add] + internal)
+    return Match(all_reduce, x, group_name, "sum", _cast(all_reduce.graph, add, dtype), out, weight, eps,
+                 hidden, residual=other.args[0], internal=own + [add] + internal)
 
 
 def pattern_of(match: Match) -> FusionPattern:

@@ -67,8 +67,9 @@ def check(engine: str, version: str, seams: tuple[Seam, ...], run_against: tuple
     """Resolve ``seams`` in the installed ``engine`` (of ``version``): ``{target: object}`` of those found.
 
     On a version in neither ``run_against`` nor ``read_against`` it logs (WARNING, unless ``log_unknown``
-    is false) which seams it found and which it did not. A required seam that is missing raises :class:`SeamMissing` with the engine's
-    version, the missing targets, what tpfuse does at each and the versions tpfuse knows.
+    is false) which seams it found and which it did not. A required seam that is missing raises
+    :class:`SeamMissing` with the engine's version, the missing targets, what tpfuse does at each and the
+    versions tpfuse knows.
     """
     found, missing = {}, []
     for seam in seams:
@@ -78,15 +79,16 @@ def check(engine: str, version: str, seams: tuple[Seam, ...], run_against: tuple
             missing.append((seam, str(exc)))
     known = base_version(version) in run_against + read_against
     if not known and log_unknown:
-        log.warning("tpfuse: %s %s is not a version tpfuse's plugin was run against (%s) or read against (%s); "
-                    "seams found: %s; not found: %s", engine, version, ", ".join(run_against),
+        log.warning("tpfuse: %s %s is not a version tpfuse's plugin was run against (%s) or read against "
+                    "(%s); seams found: %s; not found: %s", engine, version, ", ".join(run_against),
                     ", ".join(read_against), ", ".join(found) or "none",
                     ", ".join(seam.target for seam, _ in missing) or "none")
     required = [(seam, why) for seam, why in missing if seam.required]
     if required:
         lines = "\n".join(f"  - {seam.target} (tpfuse {seam.use}): {why}" for seam, why in required)
         raise SeamMissing(
-            f"tpfuse's {engine} plugin cannot run on {engine} {version}: it lacks what the plugin hooks:\n{lines}\n"
+            f"tpfuse's {engine} plugin cannot run on {engine} {version}: it lacks what the plugin hooks:\n"
+            f"{lines}\n"
             f"tpfuse's plugin was run against {engine} {', '.join(run_against)} and read against "
             f"{', '.join(read_against)}. Install one of those, or a tpfuse that supports {engine} {version}.")
     for seam, why in missing:

@@ -45,7 +45,8 @@ ENV = "TPFUSE_SGLANG"
 MAX_TOKENS = 2048
 FUSED_CALL = "sglang.srt.layers.flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm"
 GATE = "sglang.srt.layers.layer_boundary.residual.add_norm.flashinfer_ar_fusion_applies"
-WORKSPACE = "sglang.srt.model_executor.runner.base_runner.BaseRunner._pre_initialize_flashinfer_allreduce_workspace"
+WORKSPACE = ("sglang.srt.model_executor.runner.base_runner.BaseRunner."
+             "_pre_initialize_flashinfer_allreduce_workspace")
 #: SGLang releases the plugin ran in (SGLang's modules, not its server: tests/engines/test_sglang.py).
 RUN_AGAINST = ("0.5.23",)
 #: SGLang releases whose source the plugin's seams were read in.
@@ -60,9 +61,11 @@ SEAMS = (
          "finds the group SGLang's fused call reduces over"),
     Seam("sglang.srt.layers.layer_boundary.residual.add_norm:flashinfer_ar_fusion_applies",
          "decides which layers defer their all-reduce to the fused call"),
-    Seam("sglang.srt.model_executor.runner.base_runner:BaseRunner._pre_initialize_flashinfer_allreduce_workspace",
+    Seam("sglang.srt.model_executor.runner.base_runner:"
+         "BaseRunner._pre_initialize_flashinfer_allreduce_workspace",
          "creates its communicators before CUDA-graph capture"),
-    Seam("sglang.srt.layers.dp_attention:is_dp_attention_enabled", "keeps SGLang's data-parallel attention out"),
+    Seam("sglang.srt.layers.dp_attention:is_dp_attention_enabled",
+         "keeps SGLang's data-parallel attention out"),
 )
 #: {c10d group name: the most tokens its communicator fuses at the model's hidden size and dtype}
 _limits: dict[str, int] = {}
@@ -103,8 +106,9 @@ def _fusion_group(use_attn_tp_group: bool):
     return coordinator.device_group
 
 
-def allreduce_residual_rmsnorm(input_tensor, residual, weight, eps: float = 1e-6, max_token_num: int = MAX_TOKENS,
-                               use_oneshot=None, trigger_completion_at_end: bool = False, fp32_acc: bool = True,
+def allreduce_residual_rmsnorm(input_tensor, residual, weight, eps: float = 1e-6,
+                               max_token_num: int = MAX_TOKENS, use_oneshot=None,
+                               trigger_completion_at_end: bool = False, fp32_acc: bool = True,
                                use_attn_tp_group: bool = True):
     """FlashInfer's call's signature and contract: ``(normed, residual_out)``, new tensors (SGLang keeps
     the residual it passed); the reduction in fp32 (``fp32_acc``). The remaining FlashInfer switches
@@ -153,13 +157,14 @@ def create_communicators(runner) -> None:
     if deterministic_inference(runner) and not batch_invariant():
         set_batch_invariant(True)
     if batch_invariant():
-        log.info("tpfuse: batch-invariant mode (%s): SGLang's deterministic inference turns FlashInfer's fused "
-                 "all-reduce + RMSNorm off; tpfuse's op keeps serving SGLang's fused calls, at every batch size",
-                 batch_invariant_source())
+        log.info("tpfuse: batch-invariant mode (%s): SGLang's deterministic inference turns FlashInfer's "
+                 "fused all-reduce + RMSNorm off; tpfuse's op keeps serving SGLang's fused calls, at every "
+                 "batch size", batch_invariant_source())
     hidden, dtype = runner.model_runner.model_config.hidden_size, runner.model_runner.dtype
     for use_attn_tp_group in (True, False):
         group = _fusion_group(use_attn_tp_group)
         if group.size() > 1:
             comm = tpfuse.get_communicator(group, max_tokens=MAX_TOKENS, hidden=hidden)
             _limits[group.group_name] = comm.max_token_num(hidden, dtype)
-            log.info("tpfuse: SGLang's fused all-reduce + RMSNorm calls on group %s: %r", group.group_name, comm)
+            log.info("tpfuse: SGLang's fused all-reduce + RMSNorm calls on group %s: %r", group.group_name,
+                     comm)

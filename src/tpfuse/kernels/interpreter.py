@@ -162,17 +162,19 @@ def _patch_the_language_once_a_kernel(interpreter) -> None:
     is. 22% of the interpreted kernels' time in the demo's compiled model (cProfile, 2 CPU ranks)."""
     import triton.language as tl
 
-    patch_lang, scope_class = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "_LangPatchScope", None)
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    scope_class = getattr(interpreter, "_LangPatchScope", None)
     launcher = getattr(interpreter, "GridExecutor", None)
-    if patch_lang is None or scope_class is None or launcher is None:  # another Triton's interpreter: as it is
-        return
+    if patch_lang is None or scope_class is None or launcher is None:
+        return  # another Triton's interpreter: as it is
     running: list[frozenset] = []  # the language modules patched while the kernel runs (at most one runs)
     langs_of: dict = {}
 
     def patch_once(fn):
         langs = langs_of.get(fn)
         if langs is None:
-            langs = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+            langs = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                             if v is tl or v is tl.core)
         if running:  # a helper called by the running kernel (its caller drops the scope: nothing is undone)
             if not langs <= running[-1]:  # modules the kernel did not patch (Triton's own helpers: tl.core)
                 patch_lang(fn)
