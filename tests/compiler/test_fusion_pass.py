@@ -393,7 +393,7 @@ def _dequantized(outputs, scale_group, fp4):
     decoded by the format's definition, times their group's scale."""
     if outputs[0].dtype == torch.uint8:
         codes, scales, h = outputs
-        epilogue = Epilogue(fp4=fp4)
+        epilogue = Epilogue(fp4=fp4, global_scale=torch.ones(1) if fp4 == FP4_NVFP4 else None)
         group = formats.scales_as_float(epilogue, scales, codes.shape[0], codes.shape[1] * 2)
         if fp4 == FP4_NVFP4:
             group = group / 300.0  # the example's global scale

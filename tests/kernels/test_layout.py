@@ -4,6 +4,7 @@ import torch
 
 import tpfuse
 from tpfuse.kernels import layout
+from tpfuse.kernels.block_end import FP4_MXFP4, FP4_NVFP4, SCALES_SHUFFLED, Epilogue
 from tpfuse.testing.cases import Case
 
 
@@ -12,7 +13,8 @@ def test_descriptor_words_never_hold_the_sentinel_and_read_back():
     assert len(words) == layout.DESC_WORDS and all(0 <= w <= 0x7FFF for w in words), words
     flags = layout.FLAG_BF16 | layout.FLAG_RESIDUAL
     five = layout.describe_call(5, 512, flags, 0, 8192)
-    three = layout.describe_call(3, 512, flags | layout.FLAG_TWOSHOT | layout.FLAG_QUANT, 1, 4096)
+    static_fp8 = Epilogue(quant_scale=torch.ones(1)).flags(512)
+    three = layout.describe_call(3, 512, flags | layout.FLAG_TWOSHOT | static_fp8, 1, 4096)
     assert layout.explain_descriptor(five) == "5 x 512 bfloat16 oneshot, residual"
     # Call number and workspace appear only where two descriptors differ in them.
     assert layout.explain_descriptor(three, five) == (
@@ -23,16 +25,19 @@ def test_descriptor_words_never_hold_the_sentinel_and_read_back():
 def test_flags_above_15_bits_travel_in_the_last_word_beside_the_regions_top_bit():
     """The quantised outputs' flags (bits 15 and up) share the last word with the region's top bit: both
     read back, and every word stays below the sentinel."""
-    flags = layout.call_flags(torch.bfloat16, False) | layout.FLAG_NVFP4 | layout.FLAG_NORMED_COPY
+    nvfp4 = Epilogue(fp4=FP4_NVFP4, global_scale=torch.ones(1), normed_copy=True).flags(4096)
+    flags = layout.call_flags(torch.bfloat16, False) | nvfp4
     words = layout.describe_call(7, 4096, flags | layout.FLAG_TWOSHOT, 3, (1 << 31) - 8)
     assert all(0 <= w <= 0x7FFF for w in words), words
     assert layout.explain_descriptor(words) == (
         "7 x 4096 bfloat16 twoshot, no residual, a copy of the norm's output, NVFP4 output")
-    shuffled = layout.call_flags(torch.bfloat16, True) | layout.FLAG_MXFP4 | layout.FLAG_SCALES_SHUFFLED
+    mxfp4 = Epilogue(fp4=FP4_MXFP4).flags(512)
+    shuffled = layout.call_flags(torch.bfloat16, True) \
+        | Epilogue(fp4=FP4_MXFP4, scale_layout=SCALES_SHUFFLED).flags(512)
     assert layout.explain_descriptor(layout.describe_call(2, 512, shuffled, 1, 4096)) == (
         "2 x 512 bfloat16 oneshot, residual, MXFP4 output, shuffled e8m0 scales")
     # A call of the reference path (float32: no kernel takes one) as the host compares it.
-    assert layout.explain_flags(layout.call_flags(torch.float32, True) | layout.FLAG_MXFP4) == (
+    assert layout.explain_flags(layout.call_flags(torch.float32, True) | mxfp4) == (
         "float32, residual, MXFP4 output")
 
 
@@ -54,10 +59,13 @@ def test_the_kernel_sends_the_descriptor_layout_describes(rank_pool):
 
 
 def test_every_flag_travels_in_the_descriptor():
-    """Each ``FLAG_*`` (and K's field) is at or below the last bit the descriptor carries, and reads back."""
-    for name in dir(layout):
-        if name.startswith("FLAG_") or name == "FLAGS_EXPERTS":
-            assert getattr(layout, name) < 1 << (layout.MAX_FLAG_BIT + 1), name
+    """Each ``FLAG_*`` (and the fields of K, the output format and its group) is at or below the last bit
+    the descriptor carries, no two overlap, and they read back."""
+    fields = [name for name in dir(layout) if name.startswith(("FLAG_", "FLAGS_"))]
+    for i, name in enumerate(fields):
+        assert all(getattr(layout, name) & getattr(layout, other) == 0 for other in fields[i + 1:]), name
+    for name in fields:
+        assert getattr(layout, name) < 1 << (layout.MAX_FLAG_BIT + 1), name
     flags = layout.call_flags(torch.bfloat16, False) | layout.FLAG_MOE_FINALIZE | layout.FLAG_TOPK_WEIGHTS \
         | layout.FLAG_SHARED_EXPERT | layout.MAX_EXPERTS << layout.EXPERTS_SHIFT
     words = layout.describe_call(2, 64, flags, 0, (1 << 31) - 8)
@@ -68,8 +76,6 @@ def test_every_flag_travels_in_the_descriptor():
 
 def test_a_finalize_that_differs_in_weights_k_or_shared_expert_differs_in_flags():
     """The descriptor's flags (what ranks compare) tell apart every finalize the kernels run."""
-    from tpfuse.kernels.block_end import Epilogue
-
     weights, shared = torch.ones(2, 3), torch.ones(2, 64)
     finalizes = [Epilogue(experts=3), Epilogue(experts=3, topk_weights=weights), Epilogue(experts=2),
                  Epilogue(experts=3, shared_expert=shared), Epilogue(shared_expert=shared)]

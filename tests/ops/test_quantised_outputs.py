@@ -59,7 +59,7 @@ def test_padding_is_zero_and_layouts_are_what_gemms_read():
     assert columns.shape == (5, 8) and columns.stride() == (1, 8) and columns.dtype == torch.float32
     packed = formats.empty_scales(Epilogue(scale_group=128, scale_layout=SCALES_PACKED_UE8M0), 5, 1024, "cpu")
     assert packed.shape == (5, 2) and packed.stride() == (1, 8) and packed.dtype == torch.int32
-    swizzled = formats.empty_scales(Epilogue(fp4=FP4_NVFP4), 5, 1024, "cpu")
+    swizzled = formats.empty_scales(Epilogue(fp4=FP4_NVFP4, global_scale=torch.ones(1)), 5, 1024, "cpu")
     assert swizzled.shape == (128, 64) and swizzled.dtype == torch.float8_e4m3fn
     assert not swizzled.float().any()
     codes = formats.e2m1_codes(torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.3, -0.0]))

@@ -14,7 +14,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 def _decoded(codes, scales, fp4, global_scale, n_tokens, hidden, scale_layout=SCALES_ROWS):
     """The values the codes stand for: e2m1 times its group's scale (NVFP4's over the global scale)."""
-    group = formats.scales_as_float(Epilogue(fp4=fp4, scale_layout=scale_layout), scales,
+    nvfp4 = torch.ones(1) if fp4 == FP4_NVFP4 else None  # the format's own keyword, never read here
+    group = formats.scales_as_float(Epilogue(fp4=fp4, scale_layout=scale_layout, global_scale=nvfp4), scales,
                                     n_tokens, hidden).double()
     if fp4 == FP4_NVFP4:
         group = group / global_scale.double()
@@ -36,7 +37,7 @@ def test_values_the_format_holds_come_back_exactly(output):
     global_scale = torch.tensor([16.0]) if fp4 == FP4_NVFP4 else None
     packed, scales = tpfuse.quantize_fp4(y, output, global_scale=global_scale)
     assert packed.shape == (n_tokens, hidden // 2) and packed.dtype == torch.uint8
-    layout = formats.empty_scales(Epilogue(fp4=fp4), n_tokens, hidden, "cpu")  # the fused op's
+    layout = formats.empty_scales(Epilogue(fp4=fp4, global_scale=global_scale), n_tokens, hidden, "cpu")
     assert (scales.shape == layout.shape and scales.dtype == layout.dtype
             and scales.stride() == layout.stride())
     assert torch.equal(_decoded(packed, scales, fp4, global_scale, n_tokens, hidden), y.double())

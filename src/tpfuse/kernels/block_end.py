@@ -143,6 +143,14 @@ class Epilogue:
         """The steps that differ from their defaults, as the ops' keyword arguments."""
         return {name: value for name, default in _DEFAULTS if not _is_default(value := getattr(self, name), default)}
 
+    @functools.cached_property
+    def output(self):
+        """y's format (``kernels.outputs``: one of a closed set); ValueError where the output keywords
+        combine into none of them."""
+        from tpfuse.kernels import outputs  # the formats build on this module's constants
+
+        return outputs.of(self)
+
     @property
     def plain(self) -> bool:
         """Nothing beyond the residual add, RMSNorm and a static scale (what every backend runs)."""
@@ -152,24 +160,19 @@ class Epilogue:
 
     @property
     def fp8_output(self) -> bool:
-        return self.quant_scale is not None or self.scale_group > 0
+        return self.output.fp8
 
     @property
     def quantised(self) -> bool:
         """y is fp8 or fp4 codes, not x's dtype."""
-        return self.fp8_output or self.fp4 != FP4_NONE
-
-    @property
-    def pow2_scales(self) -> bool:
-        """Dynamic fp8 scales are powers of two."""
-        return self.ue8m0_scales or self.scale_layout == SCALES_PACKED_UE8M0
+        return self.output.quantised
 
     @functools.cached_property  # asked once a launch; a block end never changes (PLAIN is shared)
     def signature(self) -> tuple:
-        """What about this block end decides a compiled kernel: which steps, and their tensors' dtypes."""
-        return (_dtype(self.quant_scale), _dtype(self.bias), _dtype(self.sum_weight), self.layer_norm,
-                _dtype(self.norm_bias), self.scale_group, self.normed, self.experts, _dtype(self.topk_weights),
-                _dtype(self.shared_expert), self.normed_copy, self.pow2_scales, self.scale_layout, self.fp4)
+        """What about this block end decides a compiled kernel: which steps, their tensors' dtypes and y's
+        format."""
+        return (_dtype(self.bias), _dtype(self.sum_weight), self.layer_norm, _dtype(self.norm_bias), self.normed,
+                self.experts, _dtype(self.topk_weights), _dtype(self.shared_expert), self.normed_copy, self.output)
 
     def rows(self, part: slice) -> Epilogue:
         """The block end of rows ``part`` of the call: the MoE finalize's tensors are per row."""
@@ -181,40 +184,25 @@ class Epilogue:
 
     def flags(self, hidden: int) -> int:
         """The descriptor bits (``layout.FLAG_*``) that tell this block end from others."""
-        return ((layout.FLAG_QUANT if self.quant_scale is not None else 0)
+        return (self.output.flags(hidden)
                 | (layout.FLAG_BIAS if self.bias is not None else 0)
                 | (layout.FLAG_SUM_NORM if self.sum_weight is not None else 0)
                 | (layout.FLAG_LAYER_NORM if self.layer_norm else 0)
                 | (layout.FLAG_NORM_BIAS if self.norm_bias is not None else 0)
-                | (layout.FLAG_DYNAMIC_TOKEN if self.scale_group == hidden else 0)
-                | (layout.FLAG_DYNAMIC_GROUP if 0 < self.scale_group < hidden else 0)
                 | (0 if self.normed else layout.FLAG_NO_NORM)
                 | (layout.FLAG_MOE_FINALIZE if self.experts or self.shared_expert is not None else 0)
                 | (layout.FLAG_TOPK_WEIGHTS if self.topk_weights is not None else 0)
                 | (layout.FLAG_SHARED_EXPERT if self.shared_expert is not None else 0)
                 | self.experts << layout.EXPERTS_SHIFT
-                | (layout.FLAG_NORMED_COPY if self.normed_copy else 0)
-                | (layout.FLAG_UE8M0 if self.scale_group and self.pow2_scales else 0)
-                | (layout.FLAG_SCALES_COLUMNS if self.scale_layout == SCALES_COLUMNS else 0)
-                | (layout.FLAG_SCALES_PACKED if self.scale_layout == SCALES_PACKED_UE8M0 else 0)
-                | (layout.FLAG_SCALES_SHUFFLED if self.scale_layout == SCALES_SHUFFLED else 0)
-                | (layout.FLAG_NVFP4 if self.fp4 == FP4_NVFP4 else 0)
-                | (layout.FLAG_MXFP4 if self.fp4 == FP4_MXFP4 else 0))
+                | (layout.FLAG_NORMED_COPY if self.normed_copy else 0))
 
     def switches(self, hidden: int) -> Switches:
         """The kernels' compile-time switches for this block end (their ``STEPS`` argument)."""
-        dynamic = self.scale_group > 0
-        if self.fp4 != FP4_NONE:
-            quant, group = (QUANT_NVFP4 if self.fp4 == FP4_NVFP4 else QUANT_MXFP4), FP4_GROUP[self.fp4]
-        else:
-            quant = QUANT_DYNAMIC if dynamic else QUANT_STATIC if self.quant_scale is not None else QUANT_NONE
-            group = self.scale_group if dynamic and self.scale_group < hidden else 0
         return Switches(HAS_BIAS=self.bias is not None, SUM_NORM=self.sum_weight is not None,
                         LAYER_NORM=self.layer_norm, HAS_NORM_BIAS=self.norm_bias is not None,
-                        QUANT=quant, SCALE_GROUP=group,
                         NORMED=self.normed, EXPERTS=self.experts, TOPK_WEIGHTS=self.topk_weights is not None,
                         SHARED_EXPERT=self.shared_expert is not None, NORMED_COPY=self.normed_copy,
-                        POW2_SCALES=dynamic and self.pow2_scales, SCALE_LAYOUT=self.scale_layout)
+                        **self.output.switches(hidden))
 
     def step_tensors(self, stand_in: torch.Tensor, scales: torch.Tensor | None,
                      normed: torch.Tensor | None) -> StepTensors:
@@ -231,13 +219,14 @@ class Switches(NamedTuple):
     SUM_NORM: bool
     LAYER_NORM: bool
     HAS_NORM_BIAS: bool
-    QUANT: int  # QUANT_NONE, QUANT_STATIC or QUANT_DYNAMIC
-    SCALE_GROUP: int  # dynamic fp8: elements a scale, or 0 for one scale a token
     NORMED: bool  # False: no norm, y not written (a plain all-reduce)
     EXPERTS: int  # K of a MoE finalize's x [T, K, H], or 0 (x [T, H])
     TOPK_WEIGHTS: bool  # the finalize weights the experts' outputs
     SHARED_EXPERT: bool  # a shared expert's output is added to this rank's part
     NORMED_COPY: bool  # the norm's output also stored in x's dtype (steps.normed)
+    # y's format, from ``kernels.outputs``:
+    QUANT: int  # QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC, QUANT_NVFP4 or QUANT_MXFP4
+    SCALE_GROUP: int  # dynamic fp8: elements a scale, or 0 for one scale a token
     POW2_SCALES: bool  # dynamic fp8 scales rounded up to powers of two
     SCALE_LAYOUT: int  # SCALES_ROWS, SCALES_COLUMNS, SCALES_PACKED_UE8M0 or SCALES_SHUFFLED (MXFP4)
 

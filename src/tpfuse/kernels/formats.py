@@ -20,17 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tpfuse.kernels.block_end import (
-    FP4_GROUP,
-    FP4_MXFP4,
-    FP4_NONE,
-    FP4_NVFP4,
-    SCALES_COLUMNS,
-    SCALES_PACKED_UE8M0,
-    SCALES_ROWS,
-    SCALES_SHUFFLED,
-    Epilogue,
-)
+from tpfuse.kernels.block_end import FP4_GROUP, FP4_MXFP4, FP4_NVFP4, SCALES_ROWS, SCALES_SHUFFLED, Epilogue
 
 #: The e2m1 values by code (bit 3 the sign).
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0,
@@ -40,52 +30,28 @@ _E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, F
                (3.5, True), (5.0, False))
 
 
-def _round_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
 def scale_groups(epilogue: Epilogue, hidden: int) -> int:
     """Scales a row: fp4's groups, dynamic fp8's (1 for one a token), or 0 (no scales)."""
-    if epilogue.fp4 != FP4_NONE:
-        return hidden // FP4_GROUP[epilogue.fp4]
-    if epilogue.scale_group > 0:
-        return hidden // epilogue.scale_group
-    return 0
+    return epilogue.output.scale_groups(hidden)
 
 
 def empty_scales(epilogue: Epilogue, n_tokens: int, hidden: int, device) -> torch.Tensor | None:
     """Where a call of ``n_tokens`` rows writes its scales, in their format and layout (None: no
     scales). Layouts with padding come zeroed (the kernels write only the real rows and groups)."""
-    groups = scale_groups(epilogue, hidden)
-    if groups == 0:
-        return None
-    if epilogue.fp4 == FP4_NVFP4:
-        return torch.zeros((_round_up(n_tokens, 128), _round_up(groups, 4)),
-                           dtype=torch.float8_e4m3fn, device=device)
-    if epilogue.fp4 == FP4_MXFP4 and epilogue.scale_layout == SCALES_SHUFFLED:
-        return torch.zeros((_round_up(n_tokens, 256), _round_up(groups, 8)),
-                           dtype=torch.float8_e8m0fnu, device=device)
-    if epilogue.fp4 == FP4_MXFP4:
-        return torch.empty((n_tokens, groups), dtype=torch.float8_e8m0fnu, device=device)
-    if epilogue.scale_layout == SCALES_ROWS:
-        return torch.empty((n_tokens, groups), dtype=torch.float32, device=device)
-    columns, dtype = ((groups, torch.float32) if epilogue.scale_layout == SCALES_COLUMNS
-                      else ((groups + 3) // 4, torch.int32))
-    # [T, columns] stored column-major, the tokens padded to 4: a view of [columns, T4].
-    return torch.zeros((columns, _round_up(n_tokens, 4)), dtype=dtype, device=device).t()[:n_tokens]
+    return epilogue.output.empty_scales(n_tokens, hidden, device)
 
 
 def scales_by_rows(epilogue: Epilogue) -> bool:
     """Whether rows ``a:b`` of a call's scales are rows ``0:b-a`` of the same layout (a part of a call
     can write into a slice of them)."""
-    return epilogue.fp4 != FP4_NVFP4 and epilogue.scale_layout == SCALES_ROWS
+    return epilogue.output.scales_by_rows
 
 
 def place_scale_rows(epilogue: Epilogue, scales: torch.Tensor, start: int,
                      part: torch.Tensor, rows: int) -> None:
     """Put ``part`` (the scales of a call of ``rows`` rows, in their layout) at rows ``start:start + rows``
     of ``scales`` (a larger call's)."""
-    tiled = _TILED.get((epilogue.fp4, epilogue.scale_layout))
+    tiled = epilogue.output.tiled
     if tiled is None:
         scales[start:start + rows].copy_(part[:rows])
         return
@@ -97,38 +63,17 @@ def place_scale_rows(epilogue: Epilogue, scales: torch.Tensor, start: int,
 
 def scales_as_float(epilogue: Epilogue, scales: torch.Tensor, n_tokens: int, hidden: int) -> torch.Tensor:
     """A call's scales, whatever their format and layout, as float32 ``[T, groups]``."""
-    groups = scale_groups(epilogue, hidden)
-    tiled = _TILED.get((epilogue.fp4, epilogue.scale_layout))
-    if tiled is not None:
-        scales = tiled[1](scales, *scales.shape)[:n_tokens, :groups]
-    if epilogue.fp4 == FP4_NVFP4:
-        return scales.float()
-    if epilogue.fp4 == FP4_MXFP4:
-        return e8m0_values(scales.view(torch.uint8))
-    if epilogue.scale_layout == SCALES_PACKED_UE8M0:
-        rows = torch.empty(scales.shape, dtype=torch.int32, device=scales.device).copy_(scales)  # row-major
-        words = rows.view(torch.uint8).view(n_tokens, -1)  # bytes little-endian: group order
-        return e8m0_values(words[:, :groups])
-    return scales.float().contiguous()
+    output = epilogue.output
+    groups = output.scale_groups(hidden)
+    if output.tiled is not None:
+        scales = output.tiled[1](scales, *scales.shape)[:n_tokens, :groups]
+    return output.scale_values(scales, n_tokens, groups)
 
 
 def in_layout(epilogue: Epilogue, scales: torch.Tensor) -> torch.Tensor:
     """Scales ``[T, groups]`` by row (dynamic fp8's float32, powers of two for the packed layout; fp4's
     in their format) in the call's layout."""
-    group = FP4_GROUP[epilogue.fp4] if epilogue.fp4 != FP4_NONE else max(epilogue.scale_group, 1)
-    out = empty_scales(epilogue, scales.shape[0], scales.shape[1] * group, scales.device)
-    tiled = _TILED.get((epilogue.fp4, epilogue.scale_layout))
-    if tiled is not None:  # placed in the zeroed padding, then reordered
-        out[:scales.shape[0], :scales.shape[1]] = scales
-        return tiled[0](out)
-    if epilogue.scale_layout == SCALES_PACKED_UE8M0:
-        exponents = ue8m0_bytes(scales).to(torch.int32)
-        padded = torch.zeros((scales.shape[0], out.shape[1] * 4), dtype=torch.int32, device=scales.device)
-        padded[:, :scales.shape[1]] = exponents
-        words = padded.view(scales.shape[0], -1, 4)
-        scales = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24
-    out.copy_(scales)
-    return out
+    return epilogue.output.in_layout(scales)
 
 
 # --- codes ------------------------------------------------------------------------------------------
@@ -207,36 +152,34 @@ def unshuffle_e8m0_scales(shuffled: torch.Tensor, m: int, g: int) -> torch.Tenso
     return blocks.contiguous().reshape(m, g)
 
 
-#: The scale layouts that are not rows of a call's scales, by (fp4, scale_layout): (to the layout, back
-#: to rows ``(scales, M, G)``), both of the padded ``[M, G]``.
-_TILED = {(FP4_NVFP4, SCALES_ROWS): (swizzle_block_scales, unswizzle_block_scales),
-          (FP4_MXFP4, SCALES_SHUFFLED): (shuffle_e8m0_scales, unshuffle_e8m0_scales)}
-
-
 # --- quantising a row ------------------------------------------------------------------------------
 
 def nvfp4(y: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``y`` [T, H] as NVFP4: (codes [T, H / 2] uint8, swizzled e4m3 scales), in the kernels'
     operations and order."""
+    from tpfuse.kernels import outputs  # the formats' classes build on these codecs
+
     groups = y.float().unflatten(-1, (-1, FP4_GROUP[FP4_NVFP4]))
     g = global_scale.float()
     scales = (groups.abs().amax(-1) / 6.0 * g).clamp(max=448.0).to(torch.float8_e4m3fn)
     decoded = scales.float()
     factor = torch.where(decoded > 0, g / decoded, torch.zeros_like(decoded))
     codes = pack_e2m1(e2m1_codes((groups * factor.unsqueeze(-1)).flatten(-2)))
-    return codes, in_layout(Epilogue(fp4=FP4_NVFP4), scales)
+    return codes, outputs.NvFp4().in_layout(scales)
 
 
 def mxfp4(y: torch.Tensor, scale_layout: int = SCALES_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``y`` [T, H] as MXFP4: (codes [T, H / 2] uint8, e8m0 scales [T, H / 32], or with
     ``SCALES_SHUFFLED`` padded to [T rounded up to 256, H / 32 rounded up to 8] and shuffled)."""
+    from tpfuse.kernels import outputs  # the formats' classes build on these codecs
+
     groups = y.float().unflatten(-1, (-1, FP4_GROUP[FP4_MXFP4]))
     amax_exponent = (groups.abs().amax(-1).view(torch.int32) >> 23) & 0xFF
     exponent = (amax_exponent - 2).clamp(min=0)
     factor = ((254 - exponent) << 23).view(torch.float32)
     codes = pack_e2m1(e2m1_codes((groups * factor.unsqueeze(-1)).flatten(-2)))
     scales = exponent.to(torch.uint8).view(torch.float8_e8m0fnu)
-    return codes, in_layout(Epilogue(fp4=FP4_MXFP4, scale_layout=scale_layout), scales)
+    return codes, outputs.MxFp4(shuffled=scale_layout == SCALES_SHUFFLED).in_layout(scales)
 
 
 __all__ = ["E2M1_VALUES", "e2m1_codes", "e2m1_values", "e8m0_values", "empty_scales", "in_layout", "mxfp4",

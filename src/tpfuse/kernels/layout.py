@@ -32,47 +32,41 @@ STATE_ERROR_OWN = 7  # DESC_WORDS entries: the failed call's descriptor
 STATE_ERROR_SEEN = STATE_ERROR_OWN + DESC_WORDS  # DESC_WORDS entries: the differing peer's descriptor
 STATE_LEN = STATE_ERROR_SEEN + DESC_WORDS
 
-#: Bits of a descriptor's flags word.
-FLAG_BF16, FLAG_FP16, FLAG_RESIDUAL, FLAG_QUANT, FLAG_TWOSHOT = 1, 2, 4, 8, 16
+#: Bits of a descriptor's flags word. Bits from 15 on travel in the descriptor's last word, above the
+#: region's top bit (``describe_call``).
+FLAG_BF16, FLAG_FP16, FLAG_RESIDUAL, FLAG_TWOSHOT = 1, 2, 4, 16
+#: A float32 call: only the host compares such calls (the reference path); no kernel takes one.
+FLAG_FP32 = 8
 #: Epilogue bits (``kernels.block_end.Epilogue.flags``).
 FLAG_BIAS, FLAG_SUM_NORM, FLAG_LAYER_NORM, FLAG_NORM_BIAS = 32, 64, 128, 256
-FLAG_DYNAMIC_TOKEN, FLAG_DYNAMIC_GROUP = 512, 1024
 #: The two-shot's fp8 wire (``kernels.wire``).
 FLAG_FP8_WIRE = 2048
 #: A plain all-reduce: the call ends at h (``Epilogue.normed`` False).
 FLAG_NO_NORM = 4096
-#: A MoE finalize before the sum (``Epilogue.experts`` / ``topk_weights`` / ``shared_expert``, x [T, K, H]).
+#: A MoE finalize before the sum (``Epilogue.experts`` / ``topk_weights`` / ``shared_expert``, x [T, K, H]),
+#: and what it is beyond that: ranks that differ in its weights, its shared expert or its K (the experts a
+#: token, ``FLAGS_EXPERTS``: bits 24-28) make calls that differ.
 FLAG_MOE_FINALIZE = 8192
-#: The quantised outputs the next GEMM takes (``Epilogue.normed_copy``, ``ue8m0_scales``,
-#: ``scale_layout``, ``fp4``). Bits from 15 on travel in the descriptor's last word, above the
-#: region's top bit (``describe_call``).
+FLAG_TOPK_WEIGHTS, FLAG_SHARED_EXPERT = 512, 1024
+#: The norm's output beside a quantised y (``Epilogue.normed_copy``).
 FLAG_NORMED_COPY = 1 << 14
-FLAG_UE8M0, FLAG_SCALES_COLUMNS, FLAG_SCALES_PACKED = 1 << 15, 1 << 16, 1 << 17
-FLAG_NVFP4, FLAG_MXFP4 = 1 << 18, 1 << 19
-FLAG_SCALES_SHUFFLED = 1 << 21
-#: What a MoE finalize is, beyond FLAG_MOE_FINALIZE: ranks that differ in its weights, its shared expert or
-#: its K (the experts a token, ``FLAGS_EXPERTS``: bits 24-28) made calls that the flags did not tell apart.
-FLAG_TOPK_WEIGHTS, FLAG_SHARED_EXPERT = 1 << 22, 1 << 23
+#: The output format (``kernels.outputs``: a code a format and variant, bits 15-18) and dynamic fp8's group
+#: size (log2 - 2, bits 19-22; 0 for one scale a token).
+OUTPUT_SHIFT, SCALE_GROUP_SHIFT = 15, 19
+FLAGS_OUTPUT, FLAGS_SCALE_GROUP = 0xF << OUTPUT_SHIFT, 0xF << SCALE_GROUP_SHIFT
 EXPERTS_SHIFT = 24
 #: The largest K the descriptor holds: its flags end at bit 28 (15 bits in word 3, 14 beside the region's
-#: top bit in the last word).
+#: top bit in the last word). Bit 23 is free.
 MAX_EXPERTS = 31
 FLAGS_EXPERTS = MAX_EXPERTS << EXPERTS_SHIFT
 #: The last bit a descriptor carries.
 MAX_FLAG_BIT = 28
-#: A float32 call: only the host compares such calls (the reference path); no kernel takes one.
-FLAG_FP32 = 1 << 20
 _FLAG_WORDS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYER_NORM, "LayerNorm"),
-               (FLAG_NORM_BIAS, "norm bias"), (FLAG_QUANT, "fp8 output"),
-               (FLAG_DYNAMIC_TOKEN, "fp8 output scaled per token"),
-               (FLAG_DYNAMIC_GROUP, "fp8 output scaled per group"), (FLAG_FP8_WIRE, "fp8 wire"),
+               (FLAG_NORM_BIAS, "norm bias"), (FLAG_FP8_WIRE, "fp8 wire"),
                (FLAG_NO_NORM, "no norm"), (FLAG_MOE_FINALIZE, "MoE finalize"),
                (FLAGS_EXPERTS, lambda flags: f"{(flags & FLAGS_EXPERTS) >> EXPERTS_SHIFT} experts a token"),
                (FLAG_TOPK_WEIGHTS, "topk_weights"), (FLAG_SHARED_EXPERT, "shared expert"),
-               (FLAG_NORMED_COPY, "a copy of the norm's output"), (FLAG_UE8M0, "UE8M0 scales"),
-               (FLAG_SCALES_COLUMNS, "column-major scales"), (FLAG_SCALES_PACKED, "packed UE8M0 scales"),
-               (FLAG_NVFP4, "NVFP4 output"), (FLAG_MXFP4, "MXFP4 output"),
-               (FLAG_SCALES_SHUFFLED, "shuffled e8m0 scales"))
+               (FLAG_NORMED_COPY, "a copy of the norm's output"))
 
 
 #: Words after the descriptors that nothing writes: on AMD a wait reads a row's whole block of
@@ -109,8 +103,11 @@ def explain_flags(flags: int) -> str:
     """A flags word as words: ``bfloat16, residual, MoE finalize, 3 experts a token, topk_weights``."""
     dtype = "bfloat16" if flags & FLAG_BF16 else "float16" if flags & FLAG_FP16 else "float32" \
         if flags & FLAG_FP32 else "?"
+    from tpfuse.kernels.outputs import explain_code  # the output formats build on this module
+
     return ", ".join([dtype, "residual" if flags & FLAG_RESIDUAL else "no residual"]
-                     + [word if isinstance(word, str) else word(flags) for bits, word in _FLAG_WORDS if flags & bits])
+                     + [word if isinstance(word, str) else word(flags) for bits, word in _FLAG_WORDS if flags & bits]
+                     + explain_code(flags))
 
 
 def explain_descriptor(words: list[int], other: list[int] | None = None) -> str:

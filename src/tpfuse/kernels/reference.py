@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from tpfuse.kernels import formats
-from tpfuse.kernels.block_end import FP4_MXFP4, FP4_NONE, FP4_NVFP4, PLAIN, SCALES_ROWS, Epilogue
+from tpfuse.kernels.block_end import FP4_NONE, PLAIN, SCALES_ROWS, Epilogue
 from tpfuse.kernels.targets import Fp8Format, fp8_format
 
 __all__ = ["add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64", "norm_of", "rank_part",
@@ -130,19 +130,7 @@ def add_rmsnorm_reference(
     if not epilogue.normed:
         return h, h, None
     y = norm_of(h.float(), weight, eps, epilogue)
-    scales = None
-    if epilogue.fp4 == FP4_NVFP4:
-        y, scales = formats.nvfp4(y, epilogue.global_scale)
-    elif epilogue.fp4 == FP4_MXFP4:
-        y, scales = formats.mxfp4(y, epilogue.scale_layout)
-    elif epilogue.quant_scale is not None:
-        fmt = fp8_format(reduced.device)
-        y = (y / epilogue.quant_scale.float()).clamp(-fmt.max, fmt.max).to(fmt.dtype)
-    elif epilogue.scale_group:
-        y, scales = dynamic_fp8(y, epilogue.scale_group, pow2=epilogue.pow2_scales)
-        scales = formats.in_layout(epilogue, scales)
-    else:
-        y = y.to(out_dtype)
+    y, scales = epilogue.output.quantise(y, epilogue, out_dtype)
     return y, h, scales
 
 

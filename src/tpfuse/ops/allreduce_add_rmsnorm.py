@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from tpfuse.kernels import block_end, formats, layout
+from tpfuse.kernels import block_end, layout
 from tpfuse.kernels.block_end import Epilogue
 from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.targets import fp8_format
@@ -152,14 +152,6 @@ def check_block_end(x: torch.Tensor, shape: torch.Size, epilogue: Epilogue, devi
         _check_topk_weights(epilogue.topk_weights, x, device)
     if epilogue.shared_expert is not None:
         _check_like_x("shared_expert", epilogue.shared_expert, shape, device, x.dtype)
-    group, hidden = epilogue.scale_group, shape[1]
-    if group:
-        power_of_two = group >= 8 and group & (group - 1) == 0
-        if not (group == hidden or (power_of_two and hidden % group == 0)):
-            raise ValueError(f"scale_group {group} must be the hidden size {hidden} (a scale per token) or "
-                             "a power of two >= 8 that divides it")
-        if epilogue.quant_scale is not None:
-            raise ValueError("quant_scale (static fp8) and a dynamic fp8 scale_group exclude each other")
     for name in ("quant_scale", "global_scale"):
         scale = getattr(epilogue, name)
         if scale is None:
@@ -170,39 +162,7 @@ def check_block_end(x: torch.Tensor, shape: torch.Size, epilogue: Epilogue, devi
             raise ValueError(f"{name} must be a float32 tensor of one element")
         if scale.device != device:
             raise ValueError(f"{name} is on {scale.device} but x is on {device}")
-    if epilogue.fp4 != block_end.FP4_NONE or epilogue.normed_copy or epilogue.ue8m0_scales \
-            or epilogue.scale_layout != block_end.SCALES_ROWS:
-        _check_quantised_output(epilogue, hidden)
-
-
-def _check_quantised_output(epilogue: Epilogue, hidden: int) -> None:
-    """How fp4, UE8M0 scales, scale layouts and the norm's copy combine with the rest of the block end."""
-    if epilogue.fp4 not in (block_end.FP4_NONE, block_end.FP4_NVFP4, block_end.FP4_MXFP4):
-        raise ValueError(f"fp4 must be FP4_NVFP4 or FP4_MXFP4, got {epilogue.fp4!r}")
-    if epilogue.fp4 != block_end.FP4_NONE:
-        group = block_end.FP4_GROUP[epilogue.fp4]
-        name = "NVFP4" if epilogue.fp4 == block_end.FP4_NVFP4 else "MXFP4"
-        if hidden % group:
-            raise ValueError(f"{name} scales {group} elements each: the hidden size {hidden} must be a multiple of "
-                             f"{group}")
-        if epilogue.fp8_output:
-            raise ValueError(f"{name} output excludes fp8 output (quant_scale, scale_group)")
-        if (epilogue.global_scale is None) != (epilogue.fp4 == block_end.FP4_MXFP4):
-            raise ValueError("NVFP4 takes a global_scale (float32, one element); MXFP4 takes none")
-    elif epilogue.global_scale is not None:
-        raise ValueError("global_scale is NVFP4's: pass fp4=NVFP4 with it")
-    if epilogue.scale_layout not in (block_end.SCALES_ROWS, block_end.SCALES_COLUMNS, block_end.SCALES_PACKED_UE8M0,
-                                     block_end.SCALES_SHUFFLED):
-        raise ValueError(f"scale_layout must be SCALES_ROWS, SCALES_COLUMNS, SCALES_PACKED_UE8M0 or SCALES_SHUFFLED, "
-                         f"got {epilogue.scale_layout!r}")
-    if epilogue.scale_layout == block_end.SCALES_SHUFFLED:
-        if epilogue.fp4 != block_end.FP4_MXFP4:
-            raise ValueError("the shuffled scale layout (AITER's e8m0_shuffle) is MXFP4's: pass fp4=MXFP4 with it")
-    elif epilogue.fp4 != block_end.FP4_NONE and epilogue.scale_layout != block_end.SCALES_ROWS:
-        raise ValueError("fp4 scales go in their format's layout (NVFP4's swizzled tiles; MXFP4's rows, or "
-                         "shuffled): the columns and packed layouts are dynamic fp8's")
-    elif (epilogue.ue8m0_scales or epilogue.scale_layout != block_end.SCALES_ROWS) and epilogue.scale_group <= 0:
-        raise ValueError("ue8m0_scales and scale_layout place dynamic fp8 scales: they need a scale_group")
+    epilogue.output.check(shape[1])  # how the output keywords combine: kernels.outputs.of
     if epilogue.normed_copy and not epilogue.quantised:
         raise ValueError("normed_copy writes the norm's output beside a quantised one: y is not quantised here")
 
@@ -235,11 +195,8 @@ def _quantised_outputs(x: torch.Tensor, epilogue: Epilogue) -> tuple[torch.Tenso
     the scales in their format and layout (float32 [T, 0] where there are none), normed in x's dtype
     ([T, 0] without ``normed_copy``)."""
     n_tokens, hidden = x.shape[0], x.shape[-1]
-    if epilogue.fp4 != block_end.FP4_NONE:
-        y = x.new_empty((n_tokens, hidden // 2), dtype=torch.uint8)
-    else:
-        y = _empty_rows(x, fp8_format(x.device).dtype)
-    scales = formats.empty_scales(epilogue, n_tokens, hidden, x.device)
+    y = epilogue.output.empty_y(x, n_tokens, hidden)
+    scales = epilogue.output.empty_scales(n_tokens, hidden, x.device)
     if scales is None:
         scales = x.new_empty((n_tokens, 0), dtype=torch.float32)
     normed = _empty_rows(x) if epilogue.normed_copy else x.new_empty((n_tokens, 0))

@@ -198,7 +198,7 @@ def check_results(case: Case, world_size: int, per_rank: list[tuple[torch.Tensor
             groups = y_ref.cpu().unflatten(-1, (-1, case.scale_group))
             expected = (groups.abs().amax(-1) / fmt.max).clamp(min=fmt.min_dynamic_scale)
             checks = [("y", y, (groups / got.unsqueeze(-1)).flatten(-2)), ("h", h, h_ref)]
-            if epilogue.pow2_scales:
+            if epilogue.output.pow2:
                 _check_powers_of_two(case, rank, got, expected)
             else:
                 checks.append(("scales", got.float(), expected))
