@@ -151,3 +151,41 @@ def test_the_kernels_switches_of_each_format():
     assert switches["fp8 packed UE8M0"].POW2_SCALES and not switches["fp8 columns"].POW2_SCALES
     assert switches["MXFP4 shuffled"].SCALE_LAYOUT == SCALES_SHUFFLED
     assert switches["MXFP4"].SCALE_LAYOUT == SCALES_ROWS
+    # fp4's groups are fixed by the format: the kernels divide the row by them
+    assert switches["NVFP4"].SCALE_GROUP == 16 and switches["MXFP4 shuffled"].SCALE_GROUP == 32
+
+
+def _groups_differ(rank, world_size, with_communicator):
+    """Rank 0 scales its fp8 y a group of 64, rank 1 a group of 128: the error each rank raised, or None.
+    A group of its own: after a difference the group's collectives may be out of step."""
+    import torch.distributed as dist
+
+    import tpfuse
+    from tpfuse.testing import error_of
+
+    group = dist.new_group(list(range(world_size)))
+    comm = tpfuse.get_communicator(group, max_tokens=16, hidden=256, wait_timeout_s=3.0) \
+        if with_communicator else None
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+
+    def call():
+        tpfuse.allreduce_add_rmsnorm_dynamic_fp8(x, None, torch.ones(256, dtype=torch.bfloat16), 1e-6,
+                                                 group=group, scale_group=64 if rank == 0 else 128)
+        if comm is not None:
+            comm.check_errors()
+
+    if comm is not None:
+        return error_of(call, comm)
+    try:
+        call()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("with_communicator", [True, False], ids=["kernels", "reference path"])
+def test_ranks_whose_fp8_groups_differ_raise_on_every_rank_naming_both(rank_pool, with_communicator):
+    """Before the group size was in the descriptor both calls returned, each rank with its own scales."""
+    for error in rank_pool(2).run(_groups_differ, with_communicator, timeout=120):
+        assert error is not None, error
+        assert "per group of 64" in error and "per group of 128" in error, error

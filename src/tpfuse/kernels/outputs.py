@@ -241,6 +241,9 @@ class NvFp4(Output):
 
     group: ClassVar[int] = FP4_GROUP[FP4_NVFP4]
 
+    def switches(self, hidden: int) -> dict:
+        return dict(QUANT=QUANT_NVFP4, SCALE_GROUP=self.group, POW2_SCALES=False, SCALE_LAYOUT=SCALES_ROWS)
+
     def empty_y(self, x, n_tokens, hidden):
         return x.new_empty((n_tokens, hidden // 2), dtype=torch.uint8)
 
@@ -279,7 +282,7 @@ class MxFp4(Output):
     group: ClassVar[int] = FP4_GROUP[FP4_MXFP4]
 
     def switches(self, hidden: int) -> dict:
-        return dict(QUANT=QUANT_MXFP4, SCALE_GROUP=0, POW2_SCALES=False,
+        return dict(QUANT=QUANT_MXFP4, SCALE_GROUP=self.group, POW2_SCALES=False,
                     SCALE_LAYOUT=SCALES_SHUFFLED if self.shuffled else SCALES_ROWS)
 
     def empty_y(self, x, n_tokens, hidden):
