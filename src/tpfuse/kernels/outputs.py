@@ -227,7 +227,29 @@ class DynamicFp8(Output):
 
 
 @dataclass(frozen=True)
-class NvFp4(Output):
+class _Fp4(Output):
+    """What NVFP4 and MXFP4 share: two e2m1 codes a byte, a scale a fixed group of a row."""
+
+    #: The format's name in errors.
+    label: ClassVar[str]
+    #: Where the kernels place the scales (``SCALE_LAYOUT``).
+    scale_layout: ClassVar[int] = SCALES_ROWS
+
+    def check(self, hidden: int) -> None:
+        if hidden % self.group:
+            raise ValueError(f"{self.label} scales {self.group} elements each: the hidden size {hidden} must "
+                             f"be a multiple of {self.group}")
+
+    def switches(self, hidden: int) -> dict:
+        return dict(QUANT=self.quant, SCALE_GROUP=self.group, POW2_SCALES=False,
+                    SCALE_LAYOUT=self.scale_layout)
+
+    def empty_y(self, x, n_tokens, hidden):
+        return x.new_empty((n_tokens, hidden // 2), dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
+class NvFp4(_Fp4):
     """e2m1 codes of ``y * g / s`` (two a byte), ``s = e4m3(amax / 6 * g)`` a 16 elements in the 128 x 4
     tiles Blackwell's FP4 GEMMs read, ``g`` the caller's float32 global scale."""
 
@@ -236,16 +258,8 @@ class NvFp4(Output):
     words: ClassVar[str] = "NVFP4 output"
     tiled: ClassVar[tuple] = (formats.swizzle_block_scales, formats.unswizzle_block_scales)
 
-    def check(self, hidden: int) -> None:
-        _check_fp4_hidden("NVFP4", self.group, hidden)
-
+    label: ClassVar[str] = "NVFP4"
     group: ClassVar[int] = FP4_GROUP[FP4_NVFP4]
-
-    def switches(self, hidden: int) -> dict:
-        return dict(QUANT=QUANT_NVFP4, SCALE_GROUP=self.group, POW2_SCALES=False, SCALE_LAYOUT=SCALES_ROWS)
-
-    def empty_y(self, x, n_tokens, hidden):
-        return x.new_empty((n_tokens, hidden // 2), dtype=torch.uint8)
 
     def empty_scales(self, n_tokens, hidden, device):
         return torch.zeros((_round_up(n_tokens, 128), _round_up(self.scale_groups(hidden), 4)),
@@ -256,13 +270,15 @@ class NvFp4(Output):
 
 
 @dataclass(frozen=True)
-class MxFp4(Output):
+class MxFp4(_Fp4):
     """e2m1 codes of ``y / 2**e`` (two a byte), an e8m0 scale ``2**e`` a 32 elements (OCP MX), row-major or
     (``shuffled``) in the order AITER's MXFP4 GEMMs read them."""
 
     shuffled: bool = False
 
     quant: ClassVar[int] = QUANT_MXFP4
+    label: ClassVar[str] = "MXFP4"
+    group: ClassVar[int] = FP4_GROUP[FP4_MXFP4]
 
     @property
     def code(self) -> int:
@@ -276,17 +292,9 @@ class MxFp4(Output):
     def tiled(self):
         return (formats.shuffle_e8m0_scales, formats.unshuffle_e8m0_scales) if self.shuffled else None
 
-    def check(self, hidden: int) -> None:
-        _check_fp4_hidden("MXFP4", self.group, hidden)
-
-    group: ClassVar[int] = FP4_GROUP[FP4_MXFP4]
-
-    def switches(self, hidden: int) -> dict:
-        return dict(QUANT=QUANT_MXFP4, SCALE_GROUP=self.group, POW2_SCALES=False,
-                    SCALE_LAYOUT=SCALES_SHUFFLED if self.shuffled else SCALES_ROWS)
-
-    def empty_y(self, x, n_tokens, hidden):
-        return x.new_empty((n_tokens, hidden // 2), dtype=torch.uint8)
+    @property
+    def scale_layout(self) -> int:
+        return SCALES_SHUFFLED if self.shuffled else SCALES_ROWS
 
     def empty_scales(self, n_tokens, hidden, device):
         groups = self.scale_groups(hidden)
@@ -300,12 +308,6 @@ class MxFp4(Output):
 
     def quantise(self, y, epilogue, out_dtype):
         return formats.mxfp4(y, SCALES_SHUFFLED if self.shuffled else SCALES_ROWS)
-
-
-def _check_fp4_hidden(name: str, group: int, hidden: int) -> None:
-    if hidden % group:
-        raise ValueError(f"{name} scales {group} elements each: the hidden size {hidden} must be a "
-                         f"multiple of {group}")
 
 
 _NEEDS_GROUP = "ue8m0_scales and scale_layout place dynamic fp8 scales: they need a scale_group"
@@ -354,9 +356,9 @@ def of(epilogue) -> Output:
 
 
 UNQUANTISED = Unquantised()
-_BY_CODE = {Unquantised.code: Unquantised(), StaticFp8.code: StaticFp8(), NvFp4.code: NvFp4(),
-            8: MxFp4(), 9: MxFp4(shuffled=True),
-            **{code: DynamicFp8(layout=lay, pow2=pow2) for (lay, pow2), code in DynamicFp8._CODES.items()}}
+_BY_CODE = {output.code: output for output in (
+    UNQUANTISED, StaticFp8(), NvFp4(), MxFp4(), MxFp4(shuffled=True),
+    *(DynamicFp8(layout=lay, pow2=pow2) for lay, pow2 in DynamicFp8._CODES))}
 
 
 def explain_code(flags: int) -> list[str]:
