@@ -129,13 +129,14 @@ def cases_on_a_fresh_group(rank: int, world_size: int, cases: list, oneshot_max:
     return {"outputs": outputs, "stats": stats, "limit": limit}
 
 
-def error_of(call, comm) -> str | None:
-    """The message of the RuntimeError ``call()`` raises (None if it returns); ``comm`` destroyed after,
-    as a failed call leaves it unusable (the rank pool's next test makes a new one)."""
+def error_of(call, comm=None) -> str | None:
+    """The message of the RuntimeError ``call()`` raises (None if it returns); ``comm`` (if any) destroyed
+    after, as a failed call leaves it unusable (the rank pool's next test makes a new one)."""
     try:
         call()
     except RuntimeError as exc:
         return str(exc)
     finally:
-        comm.destroy()
+        if comm is not None:
+            comm.destroy()
     return None
