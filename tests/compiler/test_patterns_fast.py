@@ -22,7 +22,6 @@ from tpfuse.models.llama import HFRMSNorm
 
 HIDDEN, TOKENS = 64, 6
 FUSED_OPS = (torch.ops.tpfuse.allreduce_add_rmsnorm.default,
-             torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default,
              torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default)
 aten, prims = torch.ops.aten, torch.ops.prims
 # What the replacement may put before the fused op (the branches' sum, the number, the biases' sum) and
@@ -211,7 +210,7 @@ def _fuse_whole(patterns, trace=post_grad_pass_without_dynamo) -> None:
         [index] = {a.args[2] for a in _ancestors([node]) if a.op == "call_function"
                    and a.target == aten.select.int}
         pattern, steps = patterns[index], node.kwargs
-        quant = ("dynamic" if node.target == FUSED_OPS[1] else "fp4" if steps.get("fp4") else
+        quant = ("fp4" if steps.get("fp4") else "dynamic" if steps.get("scale_group") else
                  "static" if steps.get("quant_scale") is not None else None)
         if quant == "fp4":  # NVFP4 with the model's global scale, MXFP4 without
             assert steps["fp4"] == (FP4_NVFP4, FP4_MXFP4)[index % 2], (pattern.name, steps)

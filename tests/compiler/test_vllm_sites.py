@@ -381,9 +381,8 @@ def test_group_fp8_as_vllm_writes_it_fuses_whole(form):
     left = [t for t in targets(graph)
             if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
     assert left == [], left
-    fused = [n for n in graph.nodes if n.op == "call_function" and n.target in (
-        torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default,
-        torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default)]
+    fused = [n for n in graph.nodes
+             if n.op == "call_function" and n.target is torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default]
     (op,) = fused
     assert op.kwargs["scale_group"] == group
     assert op.kwargs.get("ue8m0_scales", False) is (form in ("ue8m0", "packed"))
@@ -488,7 +487,7 @@ def test_per_token_fp8_as_vllm_writes_it_fuses_whole(form):
     left = [t for t in targets(graph)
             if str(t).startswith(("vllm", "_C::")) or t is torch.ops.higher_order.auto_functionalized]
     assert left == [], left
-    (op,) = [n for n in graph.nodes if n.target is torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default]
+    (op,) = [n for n in graph.nodes if n.target is torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default]
     assert op.kwargs["scale_group"] == HIDDEN and op.args[1] is not None
     outputs = next(n for n in graph.nodes if n.op == "output").args[0]
     scales = outputs[1].meta["val"]

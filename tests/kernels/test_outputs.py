@@ -113,10 +113,10 @@ def test_a_combination_that_is_no_format_is_refused_naming_it(name):
 def test_a_dynamic_group_is_the_row_or_a_power_of_two_that_divides_it(group, hidden, ok):
     output = outputs.DynamicFp8(group)
     if ok:
-        output.check(hidden)
+        output.check_hidden(hidden)
         return
     with pytest.raises(ValueError, match="scale_group"):
-        output.check(hidden)
+        output.check_hidden(hidden)
 
 
 @pytest.mark.parametrize("name", [n for n, k in FORMATS.items() if k])

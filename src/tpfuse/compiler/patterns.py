@@ -404,7 +404,7 @@ class FusionPattern:
                 r2 = call(aten.add.Tensor, r2, call(aten.reshape.default, m.also_added, [-1, hidden]))
             steps = {"bias": bias, "sum_weight": m.sum_weight, "layer_norm": self.layer_norm,
                      "norm_bias": m.norm_bias, **finalize}
-            if m.normed is not None or m.ue8m0 or m.scale_layout or m.fp4:  # the op with every quantised output
+            if self.quant in ("dynamic", "fp4") or m.normed is not None:  # the op of every quantised output
                 op = torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default
                 fused = call(op, x2, r2, m.weight, m.eps, m.group_name, quant_scale=m.quant_scale,
                              scale_group=m.scale_group, ue8m0_scales=m.ue8m0, scale_layout=m.scale_layout,
@@ -413,10 +413,6 @@ class FusionPattern:
                 if m.normed is not None:
                     m.normed.replace_all_uses_with(call(aten.reshape.default, normed,
                                                         shape_args(meta_val(m.normed).shape)))
-            elif self.quant == "dynamic":
-                op = torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8.default
-                fused = call(op, x2, r2, m.weight, m.eps, m.group_name, scale_group=m.scale_group, **steps)
-                y2, scales, h2 = (call(operator.getitem, fused, i) for i in range(3))
             else:
                 op = torch.ops.tpfuse.allreduce_add_rmsnorm.default
                 fused = call(op, x2, r2, m.weight, m.eps, m.group_name, quant_scale=m.quant_scale, **steps)

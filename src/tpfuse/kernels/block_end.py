@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 import torch
 
-from tpfuse.kernels import layout
+from tpfuse.kernels import stages as stages_
 
 # How a call quantises y: the kernels' QUANT constexpr.
 QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC, QUANT_NVFP4, QUANT_MXFP4 = 0, 1, 2, 3, 4
@@ -60,6 +60,10 @@ SCALES_ROWS, SCALES_COLUMNS, SCALES_PACKED_UE8M0, SCALES_SHUFFLED = 0, 1, 2, 3
 #: fp4 outputs (``Epilogue.fp4``) and their elements a scale.
 FP4_NONE, FP4_NVFP4, FP4_MXFP4 = 0, 1, 2
 FP4_GROUP = {FP4_NVFP4: 16, FP4_MXFP4: 32}
+
+
+#: The plain block end (made below, once :class:`Epilogue` exists).
+PLAIN: Epilogue | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,6 +133,12 @@ class Epilogue:
     fp4: int = FP4_NONE
     global_scale: torch.Tensor | None = None
 
+    def __post_init__(self):
+        # The stages are made (and checked) here, once: a combination that is no block end cannot be built.
+        # PLAIN itself is made while this module loads, before kernels.outputs can be imported.
+        if PLAIN is not None:
+            self.stages  # noqa: B018
+
     @classmethod
     def of(cls, steps: dict) -> Epilogue:
         """The block end of an op's keyword arguments: :data:`PLAIN` itself when every one is its default
@@ -144,19 +154,22 @@ class Epilogue:
         return {name: value for name, default in _DEFAULTS if not _is_default(value := getattr(self, name), default)}
 
     @functools.cached_property
-    def output(self):
-        """y's format (``kernels.outputs``: one of a closed set); ValueError where the output keywords
-        combine into none of them."""
-        from tpfuse.kernels import outputs  # the formats build on this module's constants
+    def stages(self) -> stages_.Stages:
+        """The block end as typed stages (``kernels.stages``), in the kernels' order; ValueError where the
+        keywords combine into no block end."""
+        return stages_.of(self)
 
-        return outputs.of(self)
+    @property
+    def output(self):
+        """y's format (``kernels.outputs``: one of a closed set)."""
+        return self.stages.output
 
     @property
     def plain(self) -> bool:
         """Nothing beyond the residual add, RMSNorm and a static scale (what every backend runs)."""
-        return (self.bias is None and self.sum_weight is None and not self.layer_norm
-                and self.scale_group == 0 and self.normed and self.experts == 0 and self.shared_expert is None
-                and not self.normed_copy and self.fp4 == FP4_NONE)
+        finalize, bias, post_norm, norm, output, normed_copy = self.stages
+        return (finalize is None and bias is None and post_norm is None and norm is stages_.RMSNORM
+                and output.quant in (QUANT_NONE, QUANT_STATIC) and normed_copy is None)
 
     @property
     def fp8_output(self) -> bool:
@@ -169,10 +182,9 @@ class Epilogue:
 
     @functools.cached_property  # asked once a launch; a block end never changes (PLAIN is shared)
     def signature(self) -> tuple:
-        """What about this block end decides a compiled kernel: which steps, their tensors' dtypes and y's
-        format."""
-        return (_dtype(self.bias), _dtype(self.sum_weight), self.layer_norm, _dtype(self.norm_bias), self.normed,
-                self.experts, _dtype(self.topk_weights), _dtype(self.shared_expert), self.normed_copy, self.output)
+        """What about this block end decides a compiled kernel: each stage's variant and its tensors'
+        dtypes."""
+        return tuple(None if stage is None else stage.signature for stage in self.stages)
 
     def rows(self, part: slice) -> Epilogue:
         """The block end of rows ``part`` of the call: the MoE finalize's tensors are per row."""
@@ -183,26 +195,41 @@ class Epilogue:
             shared_expert=None if self.shared_expert is None else self.shared_expert[part])
 
     def flags(self, hidden: int) -> int:
-        """The descriptor bits (``layout.FLAG_*``) that tell this block end from others."""
-        return (self.output.flags(hidden)
-                | (layout.FLAG_BIAS if self.bias is not None else 0)
-                | (layout.FLAG_SUM_NORM if self.sum_weight is not None else 0)
-                | (layout.FLAG_LAYER_NORM if self.layer_norm else 0)
-                | (layout.FLAG_NORM_BIAS if self.norm_bias is not None else 0)
-                | (0 if self.normed else layout.FLAG_NO_NORM)
-                | (layout.FLAG_MOE_FINALIZE if self.experts or self.shared_expert is not None else 0)
-                | (layout.FLAG_TOPK_WEIGHTS if self.topk_weights is not None else 0)
-                | (layout.FLAG_SHARED_EXPERT if self.shared_expert is not None else 0)
-                | self.experts << layout.EXPERTS_SHIFT
-                | (layout.FLAG_NORMED_COPY if self.normed_copy else 0))
+        """The descriptor bits (``layout.FLAG_*``) that tell this block end from others: each stage's."""
+        flags = 0
+        for stage in self.stages:
+            if stage is not None:
+                flags |= stage.flags(hidden)
+        return flags
 
     def switches(self, hidden: int) -> Switches:
-        """The kernels' compile-time switches for this block end (their ``STEPS`` argument)."""
-        return Switches(HAS_BIAS=self.bias is not None, SUM_NORM=self.sum_weight is not None,
-                        LAYER_NORM=self.layer_norm, HAS_NORM_BIAS=self.norm_bias is not None,
-                        NORMED=self.normed, EXPERTS=self.experts, TOPK_WEIGHTS=self.topk_weights is not None,
-                        SHARED_EXPERT=self.shared_expert is not None, NORMED_COPY=self.normed_copy,
-                        **self.output.switches(hidden))
+        """The kernels' compile-time switches for this block end (their ``STEPS`` argument): each stage's,
+        the absent stages' off."""
+        known = self.__dict__.get("_switches")
+        if known is not None and known[0] == hidden:  # asked once a launch
+            return known[1]
+        switches = dict(stages_.OFF_SWITCHES)
+        for stage in self.stages:
+            if stage is not None:
+                switches.update(stage.switches(hidden))
+        switches = Switches(**switches)
+        self.__dict__["_switches"] = (hidden, switches)
+        return switches
+
+    def check(self, x: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
+        """Raise TypeError / ValueError naming what about the stages' tensors does not fit the call (x, its
+        rows ``shape`` [T, H])."""
+        for stage in self.stages:
+            if stage is not None:
+                stage.check(x, shape, device)
+        for name in self.output.scale_keywords:
+            scale = getattr(self, name)
+            if not isinstance(scale, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor or None, got {type(scale).__name__}")
+            if scale.dtype != torch.float32 or scale.numel() != 1:
+                raise ValueError(f"{name} must be a float32 tensor of one element")
+            if scale.device != device:
+                raise ValueError(f"{name} is on {scale.device} but x is on {device}")
 
     def step_tensors(self, stand_in: torch.Tensor, scales: torch.Tensor | None,
                      normed: torch.Tensor | None) -> StepTensors:

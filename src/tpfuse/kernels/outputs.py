@@ -40,6 +40,7 @@ from tpfuse.kernels.block_end import (
     SCALES_ROWS,
     SCALES_SHUFFLED,
 )
+from tpfuse.kernels.stages import Stage
 from tpfuse.kernels.targets import fp8_format
 
 __all__ = ["DynamicFp8", "MxFp4", "NvFp4", "Output", "StaticFp8", "Unquantised", "explain_code", "of"]
@@ -53,8 +54,14 @@ def _round_up(n: int, to: int) -> int:
 
 
 @dataclass(frozen=True)
-class Output:
-    """An output format. Subclasses set the class constants and override what differs."""
+class Output(Stage):
+    """An output format: the block end's last stage (``kernels.stages``). Subclasses set the class constants
+    and override what differs."""
+
+    keywords: ClassVar[tuple] = ("quant_scale", "scale_group", "ue8m0_scales", "scale_layout", "fp4",
+                                 "global_scale")
+    #: The block end's float32 one-element scales this format reads (``Epilogue.check`` checks them).
+    scale_keywords: ClassVar[tuple] = ()
 
     #: The format's code in the descriptor (``layout.OUTPUT_SHIFT``): a number per format and variant.
     code: ClassVar[int]
@@ -72,8 +79,15 @@ class Output:
     def fp8(self) -> bool:
         return self.quant in (QUANT_STATIC, QUANT_DYNAMIC)
 
-    def check(self, hidden: int) -> None:
+    def check_hidden(self, hidden: int) -> None:
         """Raise ValueError where this format cannot serve rows of ``hidden`` elements."""
+
+    def check(self, x, shape, device) -> None:
+        self.check_hidden(shape[1])
+
+    @property
+    def signature(self):
+        return self
 
     #: Elements a scale (0: no scales written).
     group: ClassVar[int] = 0
@@ -141,6 +155,7 @@ class StaticFp8(Output):
     code: ClassVar[int] = 1
     quant: ClassVar[int] = QUANT_STATIC
     words: ClassVar[str] = "fp8 output"
+    scale_keywords: ClassVar[tuple] = ("quant_scale",)
 
     def quantise(self, y, epilogue, out_dtype):
         fmt = fp8_format(y.device)
@@ -168,7 +183,7 @@ class DynamicFp8(Output):
     def code(self) -> int:
         return self._CODES[self.layout, self.pow2]
 
-    def check(self, hidden: int) -> None:
+    def check_hidden(self, hidden: int) -> None:
         group = self.group_size
         if not (group == hidden or (group >= 8 and group & (group - 1) == 0 and hidden % group == 0)):
             raise ValueError(f"scale_group {group} must be the hidden size {hidden} (a scale per token) or "
@@ -235,7 +250,7 @@ class _Fp4(Output):
     #: Where the kernels place the scales (``SCALE_LAYOUT``).
     scale_layout: ClassVar[int] = SCALES_ROWS
 
-    def check(self, hidden: int) -> None:
+    def check_hidden(self, hidden: int) -> None:
         if hidden % self.group:
             raise ValueError(f"{self.label} scales {self.group} elements each: the hidden size {hidden} must "
                              f"be a multiple of {self.group}")
@@ -256,6 +271,7 @@ class NvFp4(_Fp4):
     code: ClassVar[int] = 7
     quant: ClassVar[int] = QUANT_NVFP4
     words: ClassVar[str] = "NVFP4 output"
+    scale_keywords: ClassVar[tuple] = ("global_scale",)
     tiled: ClassVar[tuple] = (formats.swizzle_block_scales, formats.unswizzle_block_scales)
 
     label: ClassVar[str] = "NVFP4"

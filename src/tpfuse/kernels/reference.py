@@ -1,7 +1,8 @@
 """Pure-torch reference of the fused op: the reference backend's math and the kernels' oracle.
 
-The steps are those of ``kernels/block_end.py``: a MoE finalize, sum, + bias, post-norm, + residual,
-RMSNorm or LayerNorm, fp8 with a static or dynamic scale, NVFP4 or MXFP4 (``kernels.formats``).
+The steps are the block end's stages (``kernels.stages``), each with its own torch step: a MoE finalize,
+sum, + bias, post-norm, + residual, RMSNorm or LayerNorm, fp8 with a static or dynamic scale, NVFP4 or
+MXFP4 (``kernels.outputs``).
 """
 
 from __future__ import annotations
@@ -20,55 +21,27 @@ __all__ = ["add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64", "n
 
 def rank_part(x: torch.Tensor, epilogue: Epilogue = PLAIN,
               accumulate: torch.dtype = torch.float32) -> torch.Tensor:
-    """What one rank contributes to the sum: x [T, H] itself, or a MoE finalize's
-    ``sum_k topk_weights[:, k] * x[:, k] + shared_expert`` (x [T, K, H]) computed in ``accumulate``
-    (float32 as the kernels, float64 for the oracle) and rounded to x's dtype, as the kernels send it
-    (and as a model's unfused MoE block hands its output to the all-reduce).
+    """What one rank contributes to the sum: x [T, H] itself, or its MoE finalize
+    (``stages.Finalize.reference``) computed in ``accumulate`` (float32 as the kernels, float64 for the
+    oracle) and rounded to x's dtype, as the kernels send it (and as a model's unfused MoE block hands
+    its output to the all-reduce).
     """
-    if x.dim() == 2 and epilogue.shared_expert is None:
+    finalize = epilogue.stages.finalize
+    if finalize is None:
         return x
-    part = x.to(accumulate)
-    if x.dim() == 3:
-        if epilogue.topk_weights is not None:
-            part = part * epilogue.topk_weights.to(accumulate).unsqueeze(-1)
-        experts = part.unbind(1)
-        part = experts[0]
-        for expert in experts[1:]:  # in the kernels' order: one rounding can move a dynamic fp8 code
-            part = part + expert
-    if epilogue.shared_expert is not None:
-        part = part + epilogue.shared_expert.to(accumulate)
-    return part.to(x.dtype)
-
-
-#: The row reductions' chunk: torch's CPU reductions split one long row over threads (a row of 65536
-#: alone summed otherwise than in a batch), never a reduction of this many elements.
-_CHUNK = 2048
-
-
-def row_mean(t: torch.Tensor) -> torch.Tensor:
-    """The mean over the last dim, kept, in two stages of at most :data:`_CHUNK` elements (the rest zero
-    padding), so that a row's result does not depend on the rows beside it."""
-    hidden = t.shape[-1]
-    if hidden > _CHUNK:
-        t = torch.nn.functional.pad(t, (0, -hidden % _CHUNK)).unflatten(-1, (-1, _CHUNK)).sum(-1)
-    return t.sum(-1, keepdim=True) / hidden
-
-
-def _rmsnorm(s: torch.Tensor, eps: float) -> torch.Tensor:
-    return s * torch.rsqrt(row_mean(s * s) + eps)
+    return finalize.reference(x, accumulate).to(x.dtype)
 
 
 def _sum_steps(s: torch.Tensor, residual: torch.Tensor | None, eps: float,
                epilogue: Epilogue) -> torch.Tensor:
-    """h before its rounding: the sum's own steps (+ bias, post-norm) and + residual, in ``s``'s floating
+    """h before its rounding: the sum's own stages (+ bias, post-norm) and + residual, in ``s``'s floating
     type (fp32 or float64)."""
-    dtype = s.dtype
-    if epilogue.bias is not None:
-        s = s + epilogue.bias.to(dtype)
-    if epilogue.sum_weight is not None:
-        s = _rmsnorm(s, eps) * epilogue.sum_weight.to(dtype)
+    stages = epilogue.stages
+    for stage in (stages.bias, stages.post_norm):
+        if stage is not None:
+            s = stage.reference(s, eps)
     if residual is not None:
-        s = s + residual.to(dtype)
+        s = s + residual.to(s.dtype)
     return s
 
 
@@ -80,15 +53,9 @@ def round_h(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def norm_of(h: torch.Tensor, weight: torch.Tensor, eps: float, epilogue: Epilogue) -> torch.Tensor:
-    """y from the (rounded) ``h``: the block end's RMSNorm or LayerNorm in ``h``'s floating type (fp32 or
-    float64), before any quantisation."""
-    dtype = h.dtype
-    if epilogue.layer_norm:
-        y = _rmsnorm(h - row_mean(h), eps) * weight.to(dtype)
-        if epilogue.norm_bias is not None:
-            y = y + epilogue.norm_bias.to(dtype)
-        return y
-    return _rmsnorm(h, eps) * weight.to(dtype)
+    """y from the (rounded) ``h``: the block end's norm stage (RMSNorm or LayerNorm) in ``h``'s floating
+    type (fp32 or float64), before any quantisation."""
+    return epilogue.stages.norm.reference(h, weight, eps)
 
 
 def dynamic_fp8(y: torch.Tensor, group: int, fmt: Fp8Format | None = None,

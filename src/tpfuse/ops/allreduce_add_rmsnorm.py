@@ -5,8 +5,7 @@ whose fields are the ops' keyword-only arguments, declared there once).
 
 The ops share one implementation: ``tpfuse::allreduce_add_rmsnorm`` (functional, what graphs and the
 compiler pass use), ``tpfuse::allreduce_add_rmsnorm_out`` (writes preallocated outputs),
-``tpfuse::allreduce_add_rmsnorm_dynamic_fp8`` (fp8 ``y`` with scales per token or per group),
-``tpfuse::allreduce_add_rmsnorm_quant`` (every quantised output, the norm's copy) and
+``tpfuse::allreduce_add_rmsnorm_quant`` (every quantised output with its scales, the norm's copy) and
 ``tpfuse::all_reduce`` (the sum alone). Each call is checked, made into one
 :class:`tpfuse.kernels.call.FusedCall` and run by its group's route (``ops.route``): the local kernel
 (a group of one rank), a fused kernel (the Triton one-shot or two-shot, or FlashInfer's) as the
@@ -25,9 +24,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from tpfuse.kernels import block_end, layout
+from tpfuse.kernels import block_end
 from tpfuse.kernels.block_end import Epilogue
 from tpfuse.kernels.call import FusedCall
+from tpfuse.kernels.stages import check_experts, check_like_rows, check_row
 from tpfuse.kernels.targets import fp8_format
 from tpfuse.ops.route import group_name_of, route_of
 
@@ -59,7 +59,7 @@ def check_inputs(
     if dtype not in INPUT_DTYPES:
         raise TypeError(f"x has dtype {dtype}; supported: bfloat16, float16, float32")
     if len(shape) != 2:
-        _check_experts(x, epilogue)
+        check_experts(x, epilogue.experts)
         shape = torch.Size((shape[0], shape[2]))  # the rows a MoE finalize makes of x [T, K, H]
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
@@ -68,14 +68,14 @@ def check_inputs(
     if residual is not None and not (isinstance(residual, torch.Tensor) and residual.dtype is dtype and
                                      residual.shape == shape and residual.is_contiguous() and
                                      residual.device == device):
-        _check_like_x("residual", residual, shape, device, dtype)
+        check_like_rows("residual", residual, shape, device, dtype)
     if epilogue.normed and not (isinstance(weight, torch.Tensor) and weight.dim() == 1
                                 and weight.shape[0] == shape[1]
                                 and (weight.dtype is dtype or weight.dtype is torch.float32)
                                 and weight.is_contiguous() and weight.device == device):
         if weight is None:
             raise TypeError("weight must be a tensor (the RMSNorm gain), got None")
-        _check_row("weight", weight, shape, dtype, device)
+        check_row("weight", weight, shape, dtype, device)
     if epilogue is not block_end.PLAIN:
         check_block_end(x, shape, epilogue, device)
     if not eps >= 0:
@@ -86,102 +86,20 @@ def check_inputs(
         y_dtype = dtype if epilogue is block_end.PLAIN else _output_dtype(x, epilogue)
         if not (isinstance(out, torch.Tensor) and out.dtype is y_dtype and out.shape == shape and out.is_contiguous()
                 and out.device == device):
-            _check_like_x("out", out, shape, device, y_dtype,
+            check_like_rows("out", out, shape, device, y_dtype,
                           " (the fp8 format of this device)" if epilogue.fp8_output else "")
     if residual_out is not None and not (isinstance(residual_out, torch.Tensor) and residual_out.dtype is dtype
                                          and residual_out.shape == shape and residual_out.is_contiguous()
                                          and residual_out.device == device):
-        _check_like_x("residual_out", residual_out, shape, device, dtype)
+        check_like_rows("residual_out", residual_out, shape, device, dtype)
     if out is not None and residual_out is not None and _overlap(out, residual_out):
         raise ValueError("out and residual_out share memory; y and h must go to separate tensors")
 
 
-def _check_experts(x: torch.Tensor, epilogue: Epilogue) -> None:
-    """A 3-D x: the [T, K, H] outputs of a MoE block's experts, with ``experts`` K."""
-    if len(x.shape) != 3:
-        raise ValueError(f"x must be 2-D [tokens, hidden] (or [tokens, K, hidden] for a MoE finalize), got shape "
-                         f"{tuple(x.shape)}")
-    if epilogue.experts != x.shape[1]:
-        raise ValueError(f"x has shape {tuple(x.shape)}, the outputs of {x.shape[1]} experts a token: pass "
-                         f"experts={x.shape[1]} (got {epilogue.experts})")
-    if x.shape[1] > layout.MAX_EXPERTS:  # K travels in the call descriptor, which ranks compare
-        raise ValueError(f"x has shape {tuple(x.shape)}: a MoE finalize takes at most {layout.MAX_EXPERTS} "
-                         "experts a token")
-
-
-def _check_like_x(name: str, t, shape: torch.Size, device: torch.device, dtype: torch.dtype,
-                  dtype_note: str = "") -> None:
-    """A [T, H] tensor beside x (the residual, an output): the call's row shape, ``dtype``, contiguous,
-    x's device."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype}{dtype_note}")
-    if t.shape != shape:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but x is on {device}")
-
-
-def _check_row(name: str, t, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
-    """A row of H that every token shares (a gain or a bias): 1-D, x's dtype or float32, contiguous."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a tensor{'' if name == 'weight' else ' or None'}, got {type(t).__name__}")
-    if t.dim() != 1 or t.shape[0] != shape[1]:
-        raise ValueError(f"{name} must have shape ({shape[1]},), got {tuple(t.shape)}")
-    if t.dtype is not dtype and t.dtype is not torch.float32:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype} or float32")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but x is on {device}")
-
-
 def check_block_end(x: torch.Tensor, shape: torch.Size, epilogue: Epilogue, device: torch.device) -> None:
-    """The block end's tensors and how its steps combine (``shape``: the call's rows, [T, H])."""
-    for name, t in (("bias", epilogue.bias), ("sum_weight", epilogue.sum_weight), ("norm_bias", epilogue.norm_bias)):
-        if t is not None:
-            _check_row(name, t, shape, x.dtype, device)
-    if epilogue.norm_bias is not None and not epilogue.layer_norm:
-        raise ValueError("norm_bias is LayerNorm's bias: pass layer_norm=True with it")
-    if epilogue.experts and x.dim() != 3:
-        _check_experts(x, epilogue)
-    if epilogue.topk_weights is not None:
-        _check_topk_weights(epilogue.topk_weights, x, device)
-    if epilogue.shared_expert is not None:
-        _check_like_x("shared_expert", epilogue.shared_expert, shape, device, x.dtype)
-    for name in ("quant_scale", "global_scale"):
-        scale = getattr(epilogue, name)
-        if scale is None:
-            continue
-        if not isinstance(scale, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor or None, got {type(scale).__name__}")
-        if scale.dtype != torch.float32 or scale.numel() != 1:
-            raise ValueError(f"{name} must be a float32 tensor of one element")
-        if scale.device != device:
-            raise ValueError(f"{name} is on {scale.device} but x is on {device}")
-    epilogue.output.check(shape[1])  # how the output keywords combine: kernels.outputs.of
-    if epilogue.normed_copy and not epilogue.quantised:
-        raise ValueError("normed_copy writes the norm's output beside a quantised one: y is not quantised here")
-
-
-def _check_topk_weights(weights, x: torch.Tensor, device: torch.device) -> None:
-    """A MoE finalize's weights: [T, K] of x [T, K, H], float32 or x's dtype, contiguous."""
-    if not isinstance(weights, torch.Tensor):
-        raise TypeError(f"topk_weights must be a tensor or None, got {type(weights).__name__}")
-    if x.dim() != 3:
-        raise ValueError(f"topk_weights weight the experts' outputs: x must be [tokens, K, hidden], got shape "
-                         f"{tuple(x.shape)}")
-    if weights.shape != x.shape[:2]:
-        raise ValueError(f"topk_weights has shape {tuple(weights.shape)}; expected {tuple(x.shape[:2])}")
-    if weights.dtype is not x.dtype and weights.dtype is not torch.float32:
-        raise TypeError(f"topk_weights has dtype {weights.dtype}; expected {x.dtype} or float32")
-    if not weights.is_contiguous():
-        raise ValueError("topk_weights must be contiguous")
-    if weights.device != device:
-        raise ValueError(f"topk_weights is on {weights.device} but x is on {device}")
+    """The block end's tensors against the call (``shape``: the call's rows, [T, H]): each stage's checks
+    (``kernels.stages``); how the steps combine was checked when the block end was made."""
+    epilogue.check(x, shape, device)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -230,7 +148,6 @@ _CALL = "Tensor x, Tensor? residual, Tensor weight, float eps, str group_name"
 _STEPS = block_end.schema()
 _lib.define(f"allreduce_add_rmsnorm({_CALL}, *, {_STEPS}) -> (Tensor, Tensor)")
 _lib.define(f"allreduce_add_rmsnorm_out({_CALL}, Tensor(a!) y, Tensor(b!) h, *, {_STEPS}) -> ()")
-_lib.define(f"allreduce_add_rmsnorm_dynamic_fp8({_CALL}, *, {_STEPS}) -> (Tensor, Tensor, Tensor)")
 _lib.define(f"allreduce_add_rmsnorm_quant({_CALL}, *, {_STEPS}) -> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define("all_reduce(Tensor x, str group_name) -> Tensor")
 #: A plain all-reduce's block end: the sum, nothing after it.
@@ -249,17 +166,6 @@ def _out(x, residual, weight, eps, group_name, y, h, **step_args):
     epilogue = Epilogue.of(step_args)
     check_inputs(x, residual, weight, eps, epilogue, y, h)
     route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, epilogue))
-
-
-def _dynamic_fp8(x, residual, weight, eps, group_name, **step_args):
-    epilogue = Epilogue.of(step_args)
-    check_inputs(x, residual, weight, eps, epilogue)
-    if epilogue.scale_group <= 0 or epilogue.fp4 != block_end.FP4_NONE or epilogue.normed_copy:
-        raise ValueError(f"scale_group must be a positive int (elements per scale), got {epilogue.scale_group}; "
-                         "fp4 and normed_copy: allreduce_add_rmsnorm_quant")
-    y, scales, h, _ = _quantised_outputs(x, epilogue)
-    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, epilogue, scales))
-    return y, scales, h
 
 
 def _quant(x, residual, weight, eps, group_name, **step_args):
@@ -298,17 +204,12 @@ def _out_fake(x, residual, weight, eps, group_name, y, h, **step_args):
     return None
 
 
-def _dynamic_fp8_fake(x, residual, weight, eps, group_name, **step_args):
-    return _quantised_outputs(x, Epilogue.of(step_args))[:3]
-
-
 def _quant_fake(x, residual, weight, eps, group_name, **step_args):
     return _quantised_outputs(x, Epilogue.of(step_args))
 
 
 for _name, _impl, _fake in (("allreduce_add_rmsnorm", _functional, _functional_fake),
                             ("allreduce_add_rmsnorm_out", _out, _out_fake),
-                            ("allreduce_add_rmsnorm_dynamic_fp8", _dynamic_fp8, _dynamic_fp8_fake),
                             ("allreduce_add_rmsnorm_quant", _quant, _quant_fake),
                             ("all_reduce", _all_reduce, _all_reduce_fake)):
     _lib.impl(_name, _impl, "CompositeExplicitAutograd")
@@ -429,7 +330,8 @@ def allreduce_add_rmsnorm_dynamic_fp8(
     topk_weights: torch.Tensor | None = None,
     shared_expert: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`allreduce_add_rmsnorm` with ``y`` in float8_e4m3fn scaled dynamically, in the same call.
+    """:func:`allreduce_add_rmsnorm` with ``y`` in float8_e4m3fn scaled dynamically, in the same call: a
+    thin form of :func:`allreduce_add_rmsnorm_quant` (``output="fp8"``), which takes every quantised output.
 
     ``scale_group`` elements share a scale: None (or H) for one scale a token (``scales`` [T, 1]),
     128 for DeepSeek-V3 / Llama-4 style groups (``scales`` [T, H / 128]). Each scale is
@@ -441,19 +343,10 @@ def allreduce_add_rmsnorm_dynamic_fp8(
     -------
     (y8, scales, h) : tuple of Tensor
     """
-    scale_group = x.shape[-1] if scale_group is None and isinstance(x, torch.Tensor) else scale_group
-    if isinstance(scale_group, bool) or not isinstance(scale_group, int) or scale_group <= 0:
-        raise ValueError(f"scale_group must be a positive int (elements per scale), got {scale_group!r}")
-    epilogue = Epilogue(bias=bias, sum_weight=sum_weight, layer_norm=layer_norm, norm_bias=norm_bias,
-                        scale_group=scale_group, experts=_experts(x), topk_weights=topk_weights,
-                        shared_expert=shared_expert)
-    check_inputs(x, residual, weight, eps, epilogue)
-    group_name = group_name_of(group)
-    if _through_the_op(x):
-        return torch.ops.tpfuse.allreduce_add_rmsnorm_dynamic_fp8(x, residual, weight, eps, group_name,
-                                                                  **epilogue.kwargs())
-    y, scales, h, _ = _quantised_outputs(x, epilogue)
-    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, epilogue, scales))
+    y, scales, h, _ = allreduce_add_rmsnorm_quant(
+        x, residual, weight, eps, output="fp8", group=group, scale_group=scale_group, bias=bias,
+        sum_weight=sum_weight, layer_norm=layer_norm, norm_bias=norm_bias, topk_weights=topk_weights,
+        shared_expert=shared_expert)
     return y, scales, h
 
 
@@ -514,7 +407,7 @@ def allreduce_add_rmsnorm_quant(
     ``output``:
 
     - ``"fp8"``: static with ``quant_scale``, else dynamic with a scale a ``scale_group`` elements
-      (None: one a token) as :func:`allreduce_add_rmsnorm_dynamic_fp8`; ``ue8m0_scales`` rounds each
+      (None: one a token: ``scales`` [T, 1]); ``ue8m0_scales`` rounds each
       scale up to a power of two; ``scale_layout`` ``"rows"`` (float32 [T, G]), ``"columns"`` (float32
       [T, G] stored column-major with T padded to 4: DeepGEMM's fp8 GEMMs on Hopper) or
       ``"packed_ue8m0"`` (the exponents, four to an int32, column-major, T padded to 4: DeepGEMM on
