@@ -589,3 +589,35 @@ def _experts_sum(node: Node, dtype: torch.dtype):
     if meta_val(inner).dtype != dtype:
         return None
     return inner, k, weights, nodes
+
+
+def read_besides(out: Node, nodes: list[Node]) -> bool:
+    """Whether the norm's result ``out`` has readers besides its quantisation's ``nodes``: a normed row
+    that also feeds something else, which the op writes as its normed copy (``stages.NormedCopy``)."""
+    return any(u not in nodes for u in out.users)
+
+
+def _stage_matchers() -> dict:
+    from tpfuse.kernels import outputs, stages
+
+    return {
+        stages.Finalize: match_finalize,
+        stages.Bias: bias_of,
+        stages.PostNorm: match_rmsnorm,
+        stages.RmsNorm: match_rmsnorm,
+        stages.LayerNorm: match_layernorm,
+        # No norm after the sum: the plain all-reduce (patterns.plain_all_reduce_problem).
+        stages.NoNorm: None,
+        outputs.Unquantised: None,  # the norm's output is y
+        outputs.StaticFp8: match_static_fp8,
+        outputs.DynamicFp8: match_dynamic_fp8,
+        outputs.NvFp4: match_fp4,
+        outputs.MxFp4: match_fp4,
+        stages.NormedCopy: read_besides,
+    }
+
+
+#: Each block-end stage's graph matcher, by the stage's class (``kernels.stages``, ``kernels.outputs``): the
+#: compiler sits above the kernels, so the table is here, one entry a stage; None where the stage is the
+#: absence of a step in the graph. tests/compiler/test_patterns_fast.py checks that every stage has one.
+STAGE_MATCHERS = _stage_matchers()

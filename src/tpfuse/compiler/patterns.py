@@ -70,6 +70,7 @@ from tpfuse.compiler.matchers import (
     only_user,
     other_arg,
     prims,
+    read_besides,
     residual_problem,
     row_views,
 )
@@ -96,7 +97,7 @@ def site_problem(reduce_op: str, hidden: int, dtype: torch.dtype) -> Reason | No
     return None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Match:
     """What a pattern found: the op's inputs, the nodes it replaces, and the nodes that go away."""
 
@@ -198,7 +199,8 @@ class FusionPattern:
         if hidden is None:
             return None
         chain = row_views(wait, hidden)
-        m = Match(all_reduce, x, group_name, reduce_op, chain[-1], chain[-1], None, 0.0, hidden)
+        m = Match(all_reduce=all_reduce, x=x, group_name=group_name, reduce_op=reduce_op, h=chain[-1],
+                  out=chain[-1], weight=None, eps=0.0, hidden=hidden)
         steps = list(chain)  # nodes from the sum to h
 
         def follow(node: Node) -> Node:  # the views after a step belong to it
@@ -304,7 +306,7 @@ class FusionPattern:
         if self.quant:
             # The norm's result read besides its quantisation (a normed row that also feeds something
             # else): the op writes it too, in the input's dtype (normed_copy).
-            if any(u not in quant_nodes for u in out.users):
+            if read_besides(out, quant_nodes):
                 m.normed = out
                 if meta_val(out).dtype != meta_val(x).dtype:
                     m.problem = m.problem or Reason("operands", "the norm's result is read besides its "

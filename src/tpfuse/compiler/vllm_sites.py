@@ -218,8 +218,9 @@ def _ir_site(all_reduce: Node, group_name: str, hidden: int,
         # post-norm's gain the op's sum_weight (vLLM rounds the post-norm's output first, the kernels not)
         gain, norm_eps = _arg(after, 2, "weight"), _arg(after, 3, "epsilon")
         if gain is not None and _arg(after, 4, "variance_size") is None:
-            match = Match(all_reduce, x, group_name, "sum", _output(graph, after, 1),
-                          _output(graph, after, 0), gain, float(norm_eps), hidden, residual=after.args[1],
+            match = Match(all_reduce=all_reduce, x=x, group_name=group_name, reduce_op="sum",
+                          h=_output(graph, after, 1), out=_output(graph, after, 0), weight=gain,
+                          eps=float(norm_eps), hidden=hidden, residual=after.args[1],
                           internal=[all_reduce, norm, after], sum_weight=weight)
             match.problem = residual_problem(match.residual, all_reduce, val, hidden) or (
                 Reason("operands", f"the post-norm's eps {float(eps)} differs from the norm's "
@@ -227,10 +228,12 @@ def _ir_site(all_reduce: Node, group_name: str, hidden: int,
                 if float(eps) != float(norm_eps) else None)
             return match, None
     if residual is None:  # h is the sum itself; its other users read the op's h
-        match = Match(all_reduce, x, group_name, "sum", all_reduce, norm, weight, float(eps), hidden)
+        match = Match(all_reduce=all_reduce, x=x, group_name=group_name, reduce_op="sum", h=all_reduce,
+                      out=norm, weight=weight, eps=float(eps), hidden=hidden)
     else:
-        match = Match(all_reduce, x, group_name, "sum", _output(graph, norm, 1), _output(graph, norm, 0),
-                      weight, float(eps), hidden, residual=residual, internal=[all_reduce, norm])
+        match = Match(all_reduce=all_reduce, x=x, group_name=group_name, reduce_op="sum",
+                      h=_output(graph, norm, 1), out=_output(graph, norm, 0), weight=weight, eps=float(eps),
+                      hidden=hidden, residual=residual, internal=[all_reduce, norm])
         match.problem = residual_problem(residual, all_reduce, val, hidden)
     return match, None
 
@@ -247,11 +250,13 @@ def _quantised_site(all_reduce: Node, group_name: str, hidden: int,
             return None, Reason("outside-users", "the all-reduce's result has users besides vLLM's "
                                                  "fused_add_rms_norm_static_fp8_quant (the fused op gives "
                                                  "the sum only after the residual add)")
-        return Match(all_reduce, x, group_name, "sum", _output(graph, fused, 2), _output(graph, fused, 1),
-                     kw["weight"], float(kw["epsilon"]), hidden, residual=kw["residual"],
+        return Match(all_reduce=all_reduce, x=x, group_name=group_name, reduce_op="sum",
+                     h=_output(graph, fused, 2), out=_output(graph, fused, 1), weight=kw["weight"],
+                     eps=float(kw["epsilon"]), hidden=hidden, residual=kw["residual"],
                      quant_scale=kw["scale"], internal=[all_reduce, fused]), None
-    return Match(all_reduce, x, group_name, "sum", all_reduce, _output(graph, fused, 1), kw["weight"],
-                 float(kw["epsilon"]), hidden, quant_scale=kw["scale"], internal=[fused]), None
+    return Match(all_reduce=all_reduce, x=x, group_name=group_name, reduce_op="sum", h=all_reduce,
+                 out=_output(graph, fused, 1), weight=kw["weight"], eps=float(kw["epsilon"]), hidden=hidden,
+                 quant_scale=kw["scale"], internal=[fused]), None
 
 
 def _with_quant(match: Match) -> Match:
@@ -437,8 +442,8 @@ def _scaled_site(all_reduce: Node, group_name: str, hidden: int, product: Node,
         norm = norms[0]
         weight, eps, variance_size = (_arg(norm, 1, "weight"), _arg(norm, 2, "epsilon"),
                                       _arg(norm, 3, "variance_size"))
-        match = Match(all_reduce, x, group_name, "sum", product, norm, weight, float(eps), hidden,
-                      internal=[all_reduce])
+        match = Match(all_reduce=all_reduce, x=x, group_name=group_name, reduce_op="sum", h=product, out=norm,
+                      weight=weight, eps=float(eps), hidden=hidden, internal=[all_reduce])
     elif add_norms:
         norm = add_norms[0]
         if len(product.users) != 1:
@@ -448,8 +453,9 @@ def _scaled_site(all_reduce: Node, group_name: str, hidden: int, product: Node,
         residual = norm.args[1] if norm.args[0] is product else norm.args[0]
         weight, eps, variance_size = (_arg(norm, 2, "weight"), _arg(norm, 3, "epsilon"),
                                       _arg(norm, 4, "variance_size"))
-        match = Match(all_reduce, x, group_name, "sum", _output(graph, norm, 1), _output(graph, norm, 0),
-                      weight, float(eps), hidden, residual=residual, internal=[all_reduce, product, norm])
+        match = Match(all_reduce=all_reduce, x=x, group_name=group_name, reduce_op="sum",
+                      h=_output(graph, norm, 1), out=_output(graph, norm, 0), weight=weight, eps=float(eps),
+                      hidden=hidden, residual=residual, internal=[all_reduce, product, norm])
         match.problem = residual_problem(residual, all_reduce, val, hidden)
     elif len(adds) == 1 and len(product.users) == 1:
         add = adds[0]
@@ -460,8 +466,9 @@ def _scaled_site(all_reduce: Node, group_name: str, hidden: int, product: Node,
         weight, eps, variance_size = (_arg(norm, 1, "weight"), _arg(norm, 2, "epsilon"),
                                       _arg(norm, 3, "variance_size"))
         residual = other_arg(add, product)
-        match = Match(all_reduce, x, group_name, "sum", add, norm, weight, float(eps), hidden,
-                      residual=residual, internal=[all_reduce, product])
+        match = Match(all_reduce=all_reduce, x=x, group_name=group_name, reduce_op="sum", h=add, out=norm,
+                      weight=weight, eps=float(eps), hidden=hidden, residual=residual,
+                      internal=[all_reduce, product])
         match.problem = residual_problem(residual, add, val, hidden)
     if match is None:
         return None, None
@@ -488,8 +495,8 @@ def _native_site(all_reduce: Node, group_name: str, hidden: int) -> Match | None
         # and reads the op's h, which the sum's other users read too.
         internal = [n for n in internal
                     if not (is_call(n, prims.convert_element_type.default) and n.args[0] is all_reduce)]
-        return Match(all_reduce, x, group_name, "sum", all_reduce, out, weight, eps, hidden,
-                     internal=internal)
+        return Match(all_reduce=all_reduce, x=x, group_name=group_name, reduce_op="sum", h=all_reduce,
+                     out=out, weight=weight, eps=eps, hidden=hidden, internal=internal)
     # Else the sum is read only through its fp32 cast, added to the residual's (the add is symmetric: the
     # sum is the side whose only reader it is; an earlier sum that is this add's residual is read twice).
     cast = only_user(all_reduce)
@@ -504,8 +511,9 @@ def _native_site(all_reduce: Node, group_name: str, hidden: int) -> Match | None
         return None
     out, weight, eps, internal = norm
     own = [all_reduce, cast] + ([other] if len(other.users) == 1 else [])
-    return Match(all_reduce, x, group_name, "sum", _cast(all_reduce.graph, add, dtype), out, weight, eps,
-                 hidden, residual=other.args[0], internal=own + [add] + internal)
+    return Match(all_reduce=all_reduce, x=x, group_name=group_name, reduce_op="sum",
+                 h=_cast(all_reduce.graph, add, dtype), out=out, weight=weight, eps=eps, hidden=hidden,
+                 residual=other.args[0], internal=own + [add] + internal)
 
 
 def pattern_of(match: Match) -> FusionPattern:
