@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import uuid
 import warnings
 
@@ -21,6 +22,8 @@ from tpfuse.kernels.layout import SENTINEL, STATE_LEN, Workspace, buffer_elems
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "tpfuse-"
+#: A workspace file's name: ``tpfuse-<group token>-r<rank>-p<pid>`` (:func:`allocate_shared_files`).
+SHM_NAME = re.compile(re.escape(SHM_PREFIX) + r"[0-9a-f]{12}-r\d+-p\d+")
 
 
 def _buffer_elems(region_elems: int, world_size: int) -> int:
@@ -93,6 +96,28 @@ def remove_stale_shm_files() -> int:
 def shm_files() -> list[str]:
     """Workspace files present now (normally none: each is unlinked once every rank mapped it)."""
     return sorted(glob.glob(os.path.join(SHM_DIR, SHM_PREFIX + "*")))
+
+
+def mapped_shm_files(maps: str = "/proc/self/maps") -> list[str]:
+    """Workspace files this process maps now, each once, as ``maps`` names them (an unlinked one ends in
+    `` (deleted)``): none once its communicators are destroyed and no tensor over their buffers is left.
+
+    Only workspace files count, by directory and name (:data:`SHM_NAME`): other mappings whose path has
+    ``tpfuse-`` in it stay until the process exits and are none of the workspaces' (the shared objects
+    Inductor compiles into ``tpfuse.bench.e2e``'s ``/tmp/tpfuse-e2e-cache-*``, say).
+    """
+    dirs = {SHM_DIR, os.path.realpath(SHM_DIR)}
+    found = set()
+    with open(maps) as fh:
+        for line in fh:
+            fields = line.split(None, 5)
+            if len(fields) < 6:
+                continue  # an anonymous mapping
+            path = fields[5].rstrip("\n")
+            name = path.removesuffix(" (deleted)")
+            if os.path.dirname(name) in dirs and SHM_NAME.fullmatch(os.path.basename(name)):
+                found.add(path)
+    return sorted(found)
 
 
 def allocate_shared_files(group: dist.ProcessGroup, region_elems: int) -> Workspace:

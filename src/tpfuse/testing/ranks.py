@@ -10,6 +10,8 @@ fails a test instead of stalling CI. A pool survives between runs, so tests pay 
 once; its ranks keep their process group, and nothing else: before every task each rank is put back
 as a fresh process finds itself (:func:`reset_rank_process`), so what a task sees never depends on
 which tasks ran before it in that pool, or on whether an earlier failure replaced the pool.
+
+Tasks and results travel by value (:func:`_by_value`), never as shared memory.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -53,6 +56,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _by_value(obj: Any) -> bytes:
+    """``obj`` pickled by value: tensors as their bytes, not as shared memory.
+
+    A ``multiprocessing`` queue pickles with ``ForkingPickler``, for which torch registers its own
+    reduction of CPU tensors: each storage is moved into shared memory and its file descriptor passed to
+    the receiver, which keeps it open for as long as the tensor lives. A result of thousands of small
+    tensors (the batch-invariance tests send every row's outputs of every batch back, 11,416 from
+    4 ranks in one run) then takes thousands of the test process's open files, one per tensor, and the
+    next run goes past ``RLIMIT_NOFILE`` (``RuntimeError: received 0 items of ancdata``). Plain pickle
+    copies the bytes instead: nothing stays open or mapped, whatever the number of tensors or ranks.
+    """
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def reset_rank_process(environ: dict[str, str], task_env: dict[str, str]) -> None:
@@ -112,11 +129,11 @@ def _worker(rank: int, world_size: int, backend: str, port: int, env: dict, task
             task = tasks.get()
             if task is None:
                 break
-            task_id, fn, args = task
+            task_id, fn, args = pickle.loads(task)
             try:
                 reset_rank_process(environ, {k: v.replace("{task}", str(task_id)) for k, v in env.items()
                                              if "{task}" in v})
-                results.put((task_id, rank, True, fn(rank, world_size, *args)))
+                results.put((task_id, rank, True, _by_value(fn(rank, world_size, *args))))
             except BaseException:  # noqa: BLE001 - every failure goes back to the parent
                 results.put((task_id, rank, False, traceback.format_exc()))
     finally:
@@ -170,14 +187,16 @@ class RankPool:
         """Call ``fn(rank, world_size, *args)`` on every rank; return the results in rank order.
 
         ``fn`` must be importable by name (a module-level function) and return picklable values
-        (move GPU tensors to the CPU first).
+        (move GPU tensors to the CPU first). Arguments and results are copies (:func:`_by_value`): a
+        rank's changes to an argument are not seen here.
         """
         if not self.alive:
             raise RuntimeError("this RankPool was closed after an earlier failure; make a new one")
         task_id = self._next_task
         self._next_task += 1
+        task = _by_value((task_id, fn, args))
         for q in self._tasks:
-            q.put((task_id, fn, args))
+            q.put(task)
         deadline = time.monotonic() + (timeout or self.timeout)
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
@@ -189,7 +208,10 @@ class RankPool:
             try:
                 tid, rank, ok, payload = self._results.get(timeout=1.0)
                 if tid == task_id:
-                    (results if ok else failures)[rank] = payload
+                    if ok:
+                        results[rank] = pickle.loads(payload)
+                    else:
+                        failures[rank] = payload
             except queue.Empty:
                 pass
             for r, p in enumerate(self._procs):  # a rank that died never answers
