@@ -196,25 +196,27 @@ class Epilogue:
 
     def flags(self, hidden: int) -> int:
         """The descriptor bits (``layout.FLAG_*``) that tell this block end from others: each stage's."""
-        flags = 0
-        for stage in self.stages:
-            if stage is not None:
-                flags |= stage.flags(hidden)
-        return flags
+        return self._views(hidden)[0]
 
     def switches(self, hidden: int) -> Switches:
         """The kernels' compile-time switches for this block end (their ``STEPS`` argument): each stage's,
         the absent stages' off."""
-        known = self.__dict__.get("_switches")
-        if known is not None and known[0] == hidden:  # asked once a launch
-            return known[1]
-        switches = dict(stages_.OFF_SWITCHES)
-        for stage in self.stages:
-            if stage is not None:
-                switches.update(stage.switches(hidden))
-        switches = Switches(**switches)
-        self.__dict__["_switches"] = (hidden, switches)
-        return switches
+        return self._views(hidden)[1]
+
+    def _views(self, hidden: int) -> tuple[int, Switches]:
+        # A stage's bits and switches follow from its signature (its variant, which tensors it has), so a
+        # kind of block end works them out once (a call makes a new Epilogue: this is every call's host
+        # cost).
+        key = (self.signature, hidden)
+        views = _VIEWS.get(key)
+        if views is None:
+            flags, switches = 0, dict(stages_.OFF_SWITCHES)
+            for stage in self.stages:
+                if stage is not None:
+                    flags |= stage.flags(hidden)
+                    switches.update(stage.switches(hidden))
+            views = _VIEWS[key] = (flags, Switches(**switches))
+        return views
 
     def check(self, x: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
         """Raise TypeError / ValueError naming what about the stages' tensors does not fit the call (x, its
@@ -285,5 +287,7 @@ StepTensors = NamedTuple("StepTensors", [(name, object) for name in _TENSOR_STEP
                          + [("scales", object), ("normed", object)])
 
 PLAIN = Epilogue()
+#: (flags, switches) by (signature, hidden): :meth:`Epilogue._views`.
+_VIEWS: dict = {}
 #: (name, default) of the block end's arguments, in declaration order.
 _DEFAULTS = tuple((f.name, f.default) for f in dataclasses.fields(Epilogue))

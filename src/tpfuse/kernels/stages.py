@@ -23,6 +23,7 @@ a stage class here, its field in ``Epilogue``, its Triton code in ``kernels/epil
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -342,10 +343,15 @@ class Stages(NamedTuple):
     normed_copy: NormedCopy | None
 
 
-def of(epilogue) -> Stages:
-    """The stages of a block end's flat keywords; ValueError naming a combination that is no block end."""
+@functools.cache
+def _outputs():
     from tpfuse.kernels import outputs  # builds on block_end, which builds on this module
 
+    return outputs
+
+
+def of(epilogue) -> Stages:
+    """The stages of a block end's flat keywords; ValueError naming a combination that is no block end."""
     finalize = None
     if epilogue.experts or epilogue.topk_weights is not None or epilogue.shared_expert is not None:
         experts = epilogue.experts
@@ -360,7 +366,7 @@ def of(epilogue) -> Stages:
         finalize = Finalize(experts, epilogue.topk_weights, epilogue.shared_expert)
     if epilogue.norm_bias is not None and not epilogue.layer_norm:
         raise ValueError("norm_bias is LayerNorm's bias: pass layer_norm=True with it")
-    output = outputs.of(epilogue)
+    output = _outputs().of(epilogue)
     if not epilogue.normed:
         if epilogue.layer_norm:
             raise ValueError("layer_norm with normed=False: a call without a norm has no LayerNorm")
