@@ -199,54 +199,56 @@ def check_experts(x: torch.Tensor, experts: int) -> None:
                          "experts a token")
 
 
+class _RowStage(Stage):
+    """A stage of the sum with a row [H] of its own (x's dtype or float32): one descriptor bit, one switch."""
+
+    flag: ClassVar[int]
+    switch: ClassVar[str]
+
+    @property
+    def row(self) -> torch.Tensor:
+        return getattr(self, self.keywords[0])
+
+    def flags(self, hidden):
+        return self.flag
+
+    def switches(self, hidden):
+        return {self.switch: True}
+
+    @property
+    def signature(self):
+        return (type(self).__name__, self.row.dtype)
+
+    def check(self, x, shape, device):
+        check_row(self.keywords[0], self.row, shape, x.dtype, device)
+
+
 @dataclass(frozen=True, eq=False)
-class Bias(Stage):
+class Bias(_RowStage):
     """``+ bias`` [H] right after the sum (a row-parallel layer's bias), in x's dtype or float32."""
 
     bias: torch.Tensor
 
     keywords: ClassVar[tuple] = ("bias",)
+    flag: ClassVar[int] = layout.FLAG_BIAS
+    switch: ClassVar[str] = "HAS_BIAS"
     off: ClassVar[dict] = dict(HAS_BIAS=False)
-
-    def flags(self, hidden):
-        return layout.FLAG_BIAS
-
-    def switches(self, hidden):
-        return dict(HAS_BIAS=True)
-
-    @property
-    def signature(self):
-        return ("Bias", self.bias.dtype)
-
-    def check(self, x, shape, device):
-        check_row("bias", self.bias, shape, x.dtype, device)
 
     def reference(self, s: torch.Tensor, eps: float) -> torch.Tensor:
         return s + self.bias.to(s.dtype)
 
 
 @dataclass(frozen=True, eq=False)
-class PostNorm(Stage):
+class PostNorm(_RowStage):
     """``rmsnorm(s) * sum_weight`` before the residual add (Gemma 2/3's post-norm; pass Gemma's ``1 + w``),
     with the block end's eps."""
 
     sum_weight: torch.Tensor
 
     keywords: ClassVar[tuple] = ("sum_weight",)
+    flag: ClassVar[int] = layout.FLAG_SUM_NORM
+    switch: ClassVar[str] = "SUM_NORM"
     off: ClassVar[dict] = dict(SUM_NORM=False)
-
-    def flags(self, hidden):
-        return layout.FLAG_SUM_NORM
-
-    def switches(self, hidden):
-        return dict(SUM_NORM=True)
-
-    @property
-    def signature(self):
-        return ("PostNorm", self.sum_weight.dtype)
-
-    def check(self, x, shape, device):
-        check_row("sum_weight", self.sum_weight, shape, x.dtype, device)
 
     def reference(self, s: torch.Tensor, eps: float) -> torch.Tensor:
         return rmsnorm(s, eps) * self.sum_weight.to(s.dtype)
