@@ -125,3 +125,11 @@ def test_each_stage_reference_is_the_formula():
     got = stages.Finalize(2, weights, shared).reference(experts, torch.float64)
     wanted = (experts.double() * weights.double().unsqueeze(-1)).sum(1) + shared.double()
     assert torch.allclose(got, wanted)
+
+
+def test_a_part_of_the_rows_takes_the_per_row_tensors_part():
+    weights, shared = torch.arange(8.0).view(4, 2), torch.randn(4, HIDDEN)
+    part = Epilogue(experts=2, topk_weights=weights, shared_expert=shared, bias=ROW).rows(slice(1, 3))
+    assert torch.equal(part.topk_weights, weights[1:3]) and torch.equal(part.shared_expert, shared[1:3])
+    assert part.bias is ROW  # a row every token shares stays whole
+    assert PLAIN.rows(slice(1, 3)) is PLAIN

@@ -187,12 +187,11 @@ class Epilogue:
         return tuple(None if stage is None else stage.signature for stage in self.stages)
 
     def rows(self, part: slice) -> Epilogue:
-        """The block end of rows ``part`` of the call: the MoE finalize's tensors are per row."""
-        if self.topk_weights is None and self.shared_expert is None:
-            return self
-        return dataclasses.replace(
-            self, topk_weights=None if self.topk_weights is None else self.topk_weights[part],
-            shared_expert=None if self.shared_expert is None else self.shared_expert[part])
+        """The block end of rows ``part`` of the call: the stages' tensors with a row a token (the MoE
+        finalize's) cut to the part's."""
+        cut = {name: t[part] for stage in self.stages if stage is not None for name in stage.per_row
+               if (t := getattr(self, name)) is not None}
+        return dataclasses.replace(self, **cut) if cut else self
 
     def flags(self, hidden: int) -> int:
         """The descriptor bits (``layout.FLAG_*``) that tell this block end from others: each stage's."""

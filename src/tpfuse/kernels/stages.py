@@ -97,6 +97,8 @@ class Stage:
     keywords: ClassVar[tuple[str, ...]] = ()
     #: The kernels' switches of this stage where the block end has none of it.
     off: ClassVar[dict] = {}
+    #: Its keywords whose tensors have a row a token (a part of the call's rows takes theirs).
+    per_row: ClassVar[tuple[str, ...]] = ()
 
     def flags(self, hidden: int) -> int:
         """This stage's descriptor bits (``layout.FLAG_*``)."""
@@ -127,6 +129,7 @@ class Finalize(Stage):
     shared_expert: torch.Tensor | None
 
     keywords: ClassVar[tuple] = ("experts", "topk_weights", "shared_expert")
+    per_row: ClassVar[tuple] = ("topk_weights", "shared_expert")
     off: ClassVar[dict] = dict(EXPERTS=0, TOPK_WEIGHTS=False, SHARED_EXPERT=False)
 
     def flags(self, hidden):
@@ -164,11 +167,6 @@ class Finalize(Stage):
                 raise ValueError(f"topk_weights is on {weights.device} but x is on {device}")
         if self.shared_expert is not None:
             check_like_rows("shared_expert", self.shared_expert, shape, device, x.dtype)
-
-    def rows(self, part: slice) -> Finalize:
-        """The finalize of rows ``part``: its tensors are per row."""
-        return Finalize(self.experts, None if self.topk_weights is None else self.topk_weights[part],
-                        None if self.shared_expert is None else self.shared_expert[part])
 
     def reference(self, x: torch.Tensor, accumulate: torch.dtype) -> torch.Tensor:
         """This rank's part in ``accumulate`` (float32 as the kernels, float64 for the oracle), before its
