@@ -17,9 +17,9 @@ Tasks and results travel by value (:func:`_by_value`), never as shared memory.
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
-import pickle
 import queue
 import socket
 import time
@@ -59,17 +59,29 @@ def free_port() -> int:
 
 
 def _by_value(obj: Any) -> bytes:
-    """``obj`` pickled by value: tensors as their bytes, not as shared memory.
+    """``obj`` serialised by value: tensors as their bytes, not as shared memory (:func:`_from_value`
+    reads it back).
 
     A ``multiprocessing`` queue pickles with ``ForkingPickler``, for which torch registers its own
     reduction of CPU tensors: each storage is moved into shared memory and its file descriptor passed to
     the receiver, which keeps it open for as long as the tensor lives. A result of thousands of small
     tensors (the batch-invariance tests send every row's outputs of every batch back, 11,416 from
     4 ranks in one run) then takes thousands of the test process's open files, one per tensor, and the
-    next run goes past ``RLIMIT_NOFILE`` (``RuntimeError: received 0 items of ancdata``). Plain pickle
-    copies the bytes instead: nothing stays open or mapped, whatever the number of tensors or ranks.
+    next run goes past ``RLIMIT_NOFILE`` (``RuntimeError: received 0 items of ancdata``). ``torch.save``
+    copies the bytes instead (plain pickle would too, but cannot read fp8 tensors back on torch 2.13):
+    nothing stays open or mapped, whatever the number of tensors or ranks.
     """
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_value(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def reset_rank_process(environ: dict[str, str], task_env: dict[str, str]) -> None:
@@ -129,7 +141,7 @@ def _worker(rank: int, world_size: int, backend: str, port: int, env: dict, task
             task = tasks.get()
             if task is None:
                 break
-            task_id, fn, args = pickle.loads(task)
+            task_id, fn, args = _from_value(task)
             try:
                 reset_rank_process(environ, {k: v.replace("{task}", str(task_id)) for k, v in env.items()
                                              if "{task}" in v})
@@ -209,7 +221,7 @@ class RankPool:
                 tid, rank, ok, payload = self._results.get(timeout=1.0)
                 if tid == task_id:
                     if ok:
-                        results[rank] = pickle.loads(payload)
+                        results[rank] = _from_value(payload)
                     else:
                         failures[rank] = payload
             except queue.Empty:
