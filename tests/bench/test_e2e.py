@@ -1,8 +1,9 @@
 """The end-to-end benchmark's own logic on CPU ranks: every provider runs, fuses and matches unfused."""
 
 import pytest
+import torch
 
-from tpfuse.bench.e2e import KERNEL_FAMILIES, E2ERun, e2e_rank, kernel_family
+from tpfuse.bench.e2e import ARGMAX_MARGIN, KERNEL_FAMILIES, E2ERun, argmax_agreement, e2e_rank, kernel_family
 
 
 def _tiny_e2e(rank, world_size):
@@ -20,7 +21,7 @@ def test_e2e_bench_runs_fuses_and_matches(rank_pool):
     for row in rows:
         assert row["unfused_fused_calls"] == 0
         assert row["tpfuse_fused_calls"] == 4  # 2 layers, 2 sites each
-        assert row["tpfuse_logit_diff"] < 0.05 and row["tpfuse_argmax_agree"] >= 0.5
+        _assert_matches_unfused(row, 0.05)  # 0.011 and 0.008 seen (2026-12-05); 5% too large a y: 0.12, 0.08
         assert "flashinfer_ms" not in row  # not importable on the CPU: skipped, not failed
         assert row["unfused_ms"] > 0 and row["tpfuse_ms"] > 0
         for provider in ("unfused", "tpfuse"):  # the profile: every op counted in exactly one family
@@ -30,6 +31,33 @@ def test_e2e_bench_runs_fuses_and_matches(rank_pool):
             assert row[f"{provider}_gpu_gemm_ms"] > 0 and row[f"{provider}_gpu_collective_ms"] > 0
     for provider in ("unfused", "tpfuse"):  # the first call compiles (fresh caches): far above a step
         assert rows[0][f"{provider}_first_call_s"] * 1000 > 5 * rows[0][f"{provider}_ms"]
+
+
+def _assert_matches_unfused(row, bound):
+    """tpfuse's logits are unfused's within ``bound`` of the largest, and pick the same token on every row
+    that is no near-tie (argmax_agreement): at least one of them. Rows whose top two are within rounding may
+    flip either way: the tiny HF Llama's decode b2 has one (top two 0.0015 apart at 0.486 in float64, a bf16
+    step 0.002), which tpfuse and the uncompiled model round to a tie, Inductor's unfused graph not; the tiny
+    Llama's prefill has three of six."""
+    assert row["tpfuse_logit_diff"] < bound, row
+    assert row["tpfuse_argmax_clear_rows"] >= 1 and row["tpfuse_argmax_agree_clear"] == 1.0, row
+
+
+def test_argmax_agreement_counts_clear_rows_only():
+    ref = torch.tensor([[1.0, 0.5, 0.0],     # clear: its top two 0.5 apart
+                        [1.0, 0.999, 0.0],   # a near-tie: under ARGMAX_MARGIN of 1.0
+                        [0.0, -2.0, -1.0]])  # clear: 1 apart, the row's largest |value| 2
+    assert argmax_agreement(ref, ref) == (1.0, 1.0, 3 - 1)
+    tie_flipped = ref.clone()
+    tie_flipped[1, 1] = 1.001
+    assert argmax_agreement(tie_flipped, ref) == (pytest.approx(2 / 3), 1.0, 2)
+    clear_flipped = ref.clone()
+    clear_flipped[0, 1] = 1.5
+    assert argmax_agreement(clear_flipped, ref) == (pytest.approx(2 / 3), 0.5, 2)
+    ties = torch.tensor([[1.0, 1.0 - ARGMAX_MARGIN / 2]])
+    agree, clear_agree, clear_rows = argmax_agreement(ties, ties)
+    assert agree == 1.0 and clear_rows == 0 and clear_agree != clear_agree  # nan: no clear row
+    assert argmax_agreement(ref[None], ref[None])[2] == 2  # [batch, seq, vocab]: one row a position
 
 
 @pytest.mark.parametrize("name, family", [
@@ -70,7 +98,9 @@ def test_hf_e2e_bench_runs_fuses_and_matches(rank_pool, tmp_path):
     for row in rows[:2]:
         assert row["unfused_fused_calls"] == 0
         assert row["tpfuse_fused_calls"] == 2  # 1 layer, 2 sites
-        assert row["tpfuse_logit_diff"] < 0.05 and row["tpfuse_argmax_agree"] == 1.0
+        # 0.0040 and 0.0044 seen (2026-12-05), a bf16 step of the largest logit; a fusion whose y is 5% too
+        # large: 0.048 and 0.052
+        _assert_matches_unfused(row, 0.02)
     generate = rows[2]  # 3 new tokens: an eager prefill, then 2 compiled decode steps of 2 sites each
     assert generate["unfused_fused_calls"] == 0 and generate["tpfuse_fused_calls"] == 4, generate
     assert generate["tpfuse_tokens_agree"] == 1.0, generate

@@ -27,12 +27,14 @@ LIMIT, HIDDEN = 16, 64
 BELOW, ABOVE = [(2, 3), (2, 7)], [(4, 7), (2, 20)]
 
 
-def _check_model(model, make_input, shapes):
-    """Run the model eager and compiled on each shape: (shape, relative difference, fused kernel calls)."""
+def _check_model(model, make_input, shapes, left_out=None):
+    """Run the model eager and compiled on each shape: (shape, relative difference, fused kernel calls, the
+    group's all-reduces, tokens left out). ``left_out``: per shape, a [batch, seq] mask of tokens whose logits
+    the difference leaves out (:func:`_near_ties`)."""
     tpfuse.get_communicator(max_tokens=LIMIT, hidden=HIDDEN)
     compiled = tpfuse.compile(model)
     runs = []
-    for batch, seq in shapes:
+    for i, (batch, seq) in enumerate(shapes):
         ids = make_input(batch, seq)
         with torch.no_grad():
             expected = model(ids)
@@ -42,9 +44,11 @@ def _check_model(model, make_input, shapes):
                 got = compiled(ids)
         expected, got = (getattr(t, "logits", t).float() for t in (expected, got))
         assert got.shape == expected.shape
-        difference = ((got - expected).abs().max() / expected.abs().max()).item()
+        error = (got - expected).abs()
+        skip = torch.zeros(error.shape[:-1], dtype=torch.bool) if left_out is None else left_out[i]
+        difference = (error[~skip].max() / expected.abs().max()).item()
         runs.append(((batch, seq), difference, fused_calls(backends=("triton",)),
-                     _group_all_reduces(profile)))
+                     _group_all_reduces(profile), int(skip.sum())))
     reports = compiled.tpfuse_backend.reports
     return runs, dict(compiled.tpfuse_backend.compiles), [[str(s) for s in graph] for graph in reports]
 
@@ -65,7 +69,7 @@ def _assert_fused(results, sites, calls_per_run=None, patterns=None, tolerance=2
     """Every one of ``sites`` all-reduces fused (by ``patterns``, when given, in site order), but ``plain``
     of them on tpfuse's plain all-reduce (no block end takes them in), into ``calls_per_run`` kernel calls
     (default: one a site) for token counts below the limit, none above; logits within ``tolerance`` of
-    the largest."""
+    the largest, a quarter of the tokens at most left out (near-ties of a router)."""
     for runs, compiles, reports in results:
         assert compiles == {"fused": 1, "plain": 1}, compiles  # one graph per range, batch and seq dynamic
         assert len(reports) == 1 and len(reports[0]) == sites, reports
@@ -77,8 +81,9 @@ def _assert_fused(results, sites, calls_per_run=None, patterns=None, tolerance=2
             found = [line.split("fused (")[1].rstrip(")") for line in reports[0] if ": fused (" in line]
             assert len(found) == len(patterns) and all(
                 f in (p if isinstance(p, tuple) else (p,)) for f, p in zip(found, patterns)), reports
-        for (batch, seq), diff, calls, group_all_reduces in runs:
+        for (batch, seq), diff, calls, group_all_reduces, left_out in runs:
             fused_range = batch * seq <= LIMIT
+            assert left_out <= batch * seq // 4, (batch, seq, left_out)
             assert calls == ((calls_per_run or sites) if fused_range else 0), (batch, seq, calls)
             # Below the limit the profiled forward runs no all-reduce but tpfuse's; above, the group's.
             assert (group_all_reduces == []) is fused_range, (batch, seq, group_all_reduces)
@@ -124,11 +129,74 @@ def _save_hf_model(rank, world_size, arch, path):
     dist.barrier()
 
 
-def _hf_model(rank, world_size, path):
+def _hf_model(rank, world_size, path, routed=False):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.bfloat16)
-    return _check_model(model, _token_ids, BELOW + ABOVE)
+    left_out = _near_ties(path, BELOW + ABOVE) if routed else None
+    return _check_model(model, _token_ids, BELOW + ABOVE, left_out)
+
+
+# A MoE router picks experts by comparing scores: a token whose choice is within bf16 rounding of a tie may
+# go to other experts in any two bf16 runs of the model, compiled or not, fused or not. Seen 2026-12-05:
+# DeepSeek-V3 at batch 2 x 7, a token whose 2nd and 3rd experts are 1e-4 apart in float64; the uncompiled
+# bf16 model routed it to the 3rd (0.079 of the largest logit from float64), tpfuse as float64 (0.002), so
+# the two were 0.081 apart there and within 0.006 on every other token. So for MoE families the difference
+# leaves out the tokens whose float64 model chooses within ROUTERS' margin of a tie.
+# Per router class: its margins (in the units it compares, per token, the smallest of its choices) from its
+# float64 input, and the margin below which a token counts as a near-tie. Measured on these models (2 CPU
+# ranks, the shapes below): a score's bf16 noise (uncompiled bf16 against float64, largest over the tokens)
+# is 3e-4 to 6e-4 for DeepSeek-V3 (sigmoid scores), 1.2e-3 to 2e-3 for Llama 4 (router logits); a choice
+# flips only where its margin is under twice that; the margins here are four times it.
+def _deepseek_v3_margins(router, h):
+    """DeepSeek-V3's router: the best ``topk_group`` groups (scored by their two best experts' scores plus
+    bias), then its ``top_k`` best experts in those; the smaller margin of the two choices."""
+    scores = (h @ router.weight.t()).sigmoid() + router.e_score_correction_bias
+    groups = scores.view(len(h), router.num_group, -1)
+    group_scores = groups.topk(2, -1).values.sum(-1)
+    ranked = group_scores.sort(-1, descending=True).values
+    k = router.topk_group
+    group_margin = ranked[:, k - 1] - ranked[:, k] if k < router.num_group else torch.inf
+    chosen = group_scores.topk(k, -1).indices
+    ranked = groups.gather(1, chosen[..., None].expand(-1, -1, groups.shape[-1])).flatten(1).sort(
+        -1, descending=True).values
+    return torch.minimum(ranked[:, router.top_k - 1] - ranked[:, router.top_k], torch.as_tensor(group_margin))
+
+
+def _top_k_margins(router, h):
+    """A router that takes its ``top_k`` largest logits (Llama 4's): the k-th less the (k+1)-th."""
+    ranked = (h @ router.weight.t()).sort(-1, descending=True).values
+    return ranked[:, router.top_k - 1] - ranked[:, router.top_k]
+
+
+ROUTERS = {"DeepseekV3TopkRouter": (_deepseek_v3_margins, 2.5e-3), "Llama4Router": (_top_k_margins, 1e-2)}
+
+
+def _near_ties(path, shapes):
+    """Per shape, a [batch, seq] mask of the tokens that some router of the model at ``path``, loaded in
+    float64, chooses for within its ROUTERS margin of a tie."""
+    from transformers import AutoModelForCausalLM
+
+    # Its experts one by one: the grouped matmul takes no float64.
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float64,
+                                                 experts_implementation="eager")
+    ties = []
+
+    def near_tie(router, args, output):
+        margins, below = ROUTERS[type(router).__name__]
+        ties.append(margins(router, args[0].reshape(-1, args[0].shape[-1])) < below)
+
+    routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
+    assert routers, f"no router of {sorted(ROUTERS)} in {type(model).__name__}"
+    for router in routers:
+        router.register_forward_hook(near_tie)
+    masks = []
+    for batch, seq in shapes:
+        ties.clear()
+        with torch.no_grad():
+            model(_token_ids(batch, seq))
+        masks.append(torch.stack(ties).any(0).view(batch, seq))
+    return masks
 
 
 # Mistral's modeling is Llama's: CI runs it in the extended lane.
@@ -173,6 +241,10 @@ FAMILIES = {
 }
 
 
+# The families whose MoE routers' near-ties the difference leaves out (ROUTERS).
+ROUTED = {"Llama4", "DeepseekV3"}
+
+
 # StarCoder2's steps (biases, LayerNorm) are Phi's but for its embedding site, Granite's a pattern example
 # covers (a scaled sum), DeepSeek-V3's two branches Llama 4's: the extended lane in CI.
 # CI runs none of these (its 10 minutes): every block end's pattern is checked in the fast lane
@@ -186,7 +258,8 @@ def test_hugging_face_families_with_other_block_ends(rank_pool, tmp_path, arch):
         sites, calls, patterns = sites + 1, calls + 1, [FAMILIES_EMBEDDING_FROM_5_24[arch]] + patterns
     pool = rank_pool(2)
     pool.run(_save_hf_model, arch, str(tmp_path))
-    _assert_fused(pool.run(_hf_model, str(tmp_path), timeout=900), sites, calls, patterns, tolerance)
+    _assert_fused(pool.run(_hf_model, str(tmp_path), arch in ROUTED, timeout=900), sites, calls, patterns,
+                  tolerance)
 
 
 # More families, checked on demand (`scripts/test.sh -m families`; CI and gpu_check.sh leave them out):
