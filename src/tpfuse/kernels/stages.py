@@ -203,6 +203,10 @@ class _RowStage(Stage):
     flag: ClassVar[int]
     switch: ClassVar[str]
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.off = {cls.switch: False}  # its one switch, off
+
     @property
     def row(self) -> torch.Tensor:
         return getattr(self, self.keywords[0])
@@ -230,7 +234,6 @@ class Bias(_RowStage):
     keywords: ClassVar[tuple] = ("bias",)
     flag: ClassVar[int] = layout.FLAG_BIAS
     switch: ClassVar[str] = "HAS_BIAS"
-    off: ClassVar[dict] = dict(HAS_BIAS=False)
 
     def reference(self, s: torch.Tensor, eps: float) -> torch.Tensor:
         return s + self.bias.to(s.dtype)
@@ -246,7 +249,6 @@ class PostNorm(_RowStage):
     keywords: ClassVar[tuple] = ("sum_weight",)
     flag: ClassVar[int] = layout.FLAG_SUM_NORM
     switch: ClassVar[str] = "SUM_NORM"
-    off: ClassVar[dict] = dict(SUM_NORM=False)
 
     def reference(self, s: torch.Tensor, eps: float) -> torch.Tensor:
         return rmsnorm(s, eps) * self.sum_weight.to(s.dtype)
