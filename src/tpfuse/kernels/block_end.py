@@ -265,10 +265,6 @@ def _is_default(value, default) -> bool:
     return value is default or (type(value) is type(default) and value == default)
 
 
-def _dtype(t: torch.Tensor | None) -> torch.dtype | None:
-    return None if t is None else t.dtype
-
-
 _TENSOR = "torch.Tensor | None"
 _SCHEMA_TYPES = {_TENSOR: "Tensor?", "bool": "bool", "int": "int"}
 
