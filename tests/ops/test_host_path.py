@@ -188,6 +188,28 @@ def test_a_groups_route_is_kept_until_its_communicator_changes(one_rank_group):
     assert route_of(name).comm is None
 
 
+def test_a_destroyed_group_is_not_kept_alive():
+    """Once the user destroys the communicator and then the group, nothing of tpfuse holds either: the
+    group is freed then, not during the interpreter's teardown (where freeing a gloo group's threads and
+    store can abort the process, seen as a rank exiting with SIGABRT after its last call)."""
+    import gc
+    import weakref
+
+    from tpfuse.testing.ranks import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    group = weakref.ref(dist.group.WORLD)
+    comm = weakref.ref(tpfuse.get_communicator(max_tokens=4, hidden=64))
+    case = Case(2, 64)
+    case.call(case.inputs(1), 0)  # a call makes the group's route, which holds the communicator
+    tpfuse.destroy_all()
+    dist.destroy_process_group()
+    gc.collect()
+    assert comm() is None, [type(r).__name__ for r in gc.get_referrers(comm())]
+    assert group() is None, [type(r).__name__ for r in gc.get_referrers(group())]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (two ranks share it)")
 @pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
 def test_the_op_captured_in_a_cuda_graph_replays_right(algorithm):

@@ -66,6 +66,19 @@ class CallPlan:
     launch: Callable[[FusedCall], None] | None = field(default=None, compare=False)
 
 _registry_lock = threading.RLock()
+# What other layers cache per communicator and drop when it is destroyed (see on_destroy).
+_forgetters: list[Callable[[Communicator], None]] = []
+
+
+def on_destroy(forget: Callable[[Communicator], None]) -> None:
+    """Have ``forget(comm)`` called whenever a communicator is destroyed.
+
+    A layer that keeps a communicator for its calls (the op's routes) registers here, so that nothing of
+    tpfuse holds a destroyed communicator, and the process group inside it, any longer: the group is
+    freed when the user destroys it, not during the interpreter's teardown, where freeing a gloo group's
+    threads and its store can abort the process ("terminate called without an active exception").
+    """
+    _forgetters.append(forget)
 
 
 def default_wait_timeout_s() -> float:
@@ -379,6 +392,8 @@ class Communicator:
         if self.device.type == "cuda" and self.workspace_bytes:
             torch.cuda.synchronize(self.device)  # our kernels may still use the buffers
         self._release()
+        for forget in _forgetters:
+            forget(self)
 
     def __repr__(self) -> str:
         state = "destroyed" if self._destroyed else f"workspace_bytes={self.workspace_bytes}"

@@ -13,6 +13,8 @@ every rank's part all-gathered and summed in ascending rank order in fp32, then 
 The one eviction rule: a group's route is rebuilt at its next call when the communicator registered
 for the group is not the one the route holds (one was created or destroyed since), or when the name
 comes back with a new group object (torch numbers groups again once the default group is destroyed).
+A destroyed communicator's route is dropped at once, and group objects are held weakly: tpfuse keeps no
+group alive once the user has destroyed it and its communicator.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import dataclasses
 import logging
 import os
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -33,6 +36,7 @@ from tpfuse.comm.communicator import (
     default_wait_timeout_s,
     group_device,
     lookup_communicator,
+    on_destroy,
     resolve_group,
 )
 from tpfuse.kernels import formats, kernels_usable
@@ -266,7 +270,17 @@ def _finalize_only(epilogue: Epilogue) -> Epilogue:
 
 
 _routes: dict[str, Route] = {}
-_names: dict[dist.ProcessGroup, str] = {}  # a group object -> its name, once its membership was checked
+# id(group object) -> (the object, held weakly; its name), once its membership was checked. Weakly, as
+# the routes drop a destroyed communicator (on_destroy): a group the user destroys is freed then.
+_names: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def _forget(comm: Communicator) -> None:
+    if (route := _routes.get(comm.group_name)) is not None and route.comm is comm:
+        del _routes[comm.group_name]
+
+
+on_destroy(_forget)
 
 
 def route_of(group_name: str) -> Route:
@@ -282,13 +296,14 @@ def route_of(group_name: str) -> Route:
 def group_name_of(group: dist.ProcessGroup | None) -> str:
     """``resolve_group(group).group_name``, checked once a group object (a call's host time counts)."""
     key = dist.GroupMember.WORLD if group is None else group
-    name = _names.get(key)
-    if name is None:
-        name = resolve_group(group).group_name
-        _names[key] = name
-        # torch names groups by a counter that starts again when the default group is destroyed: the
-        # route kept for an earlier group of this name is not this group's.
-        _routes.pop(name, None)
+    known = _names.get(id(key))
+    if known is not None and known[0]() is key:
+        return known[1]
+    name = resolve_group(group).group_name
+    _names[id(key)] = (weakref.ref(key), name)
+    # torch names groups by a counter that starts again when the default group is destroyed: the
+    # route kept for an earlier group of this name is not this group's.
+    _routes.pop(name, None)
     return name
 
 
