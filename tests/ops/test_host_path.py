@@ -199,12 +199,14 @@ def test_a_destroyed_group_is_not_kept_alive():
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    group = weakref.ref(dist.group.WORLD)
-    comm = weakref.ref(tpfuse.get_communicator(max_tokens=4, hidden=64))
-    case = Case(2, 64)
-    case.call(case.inputs(1), 0)  # a call makes the group's route, which holds the communicator
-    tpfuse.destroy_all()
-    dist.destroy_process_group()
+    try:  # the teardown under test, and the one later tests need if a call here fails
+        group = weakref.ref(dist.group.WORLD)
+        comm = weakref.ref(tpfuse.get_communicator(max_tokens=4, hidden=64))
+        case = Case(2, 64)
+        case.call(case.inputs(1), 0)  # a call makes the group's route, which holds the communicator
+    finally:
+        tpfuse.destroy_all()
+        dist.destroy_process_group()
     gc.collect()
     assert comm() is None, [type(r).__name__ for r in gc.get_referrers(comm())]
     assert group() is None, [type(r).__name__ for r in gc.get_referrers(group())]

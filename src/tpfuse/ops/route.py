@@ -270,17 +270,11 @@ def _finalize_only(epilogue: Epilogue) -> Epilogue:
 
 
 _routes: dict[str, Route] = {}
-# id(group object) -> (the object, held weakly; its name), once its membership was checked. Weakly, as
-# the routes drop a destroyed communicator (on_destroy): a group the user destroys is freed then.
+# id(group object) -> (the object, held weakly so that this cache never keeps a destroyed group alive;
+# its name), once its membership was checked.
 _names: dict[int, tuple[weakref.ref, str]] = {}
-
-
-def _forget(comm: Communicator) -> None:
-    if (route := _routes.get(comm.group_name)) is not None and route.comm is comm:
-        del _routes[comm.group_name]
-
-
-on_destroy(_forget)
+# A destroyed communicator's route goes at once (route_of makes the group's next one).
+on_destroy(lambda comm: _routes.pop(comm.group_name, None))
 
 
 def route_of(group_name: str) -> Route:
