@@ -53,7 +53,7 @@ def main():
         tensors = call.kernel_tensors()
         addresses = call.kernel_addresses()
         stream = torch.cuda.current_stream().cuda_stream
-        from tpfuse.kernels.call import FusedCall
+        from tpfuse.blockend.call import FusedCall
         from tpfuse.ops.allreduce_add_rmsnorm import _through_the_op
         from tpfuse.ops.route import group_name_of, route_of
 

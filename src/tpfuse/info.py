@@ -28,7 +28,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tpfuse.kernels.block_end import PLAIN, StepTensors
+from tpfuse.blockend.epilogue import PLAIN, StepTensors
 from tpfuse.kernels.oneshot import _oneshot_allreduce_add_rmsnorm_kernel as kernel
 arch = sys.argv[1]
 amd = arch.startswith("gfx")
@@ -102,7 +102,7 @@ def run_info(hidden: int, world_size: int | None, max_tokens: int) -> int:
         print("GPUs: none (the kernels run on the CPU only under TRITON_INTERPRET=1, for tests)")
     device = torch.device("cuda", 0) if n_gpus else torch.device("cpu")
     if n_gpus:
-        from tpfuse.kernels import targets
+        from tpfuse import targets
 
         target = targets.target(device)
         runtime = f"ROCm (HIP {torch.version.hip})" if targets.on_rocm() else f"CUDA {torch.version.cuda}"

@@ -17,7 +17,7 @@ def _errors(rank, world_size, tokens, hidden):
 
     from tpfuse.bench.kernel import bench_inputs, relative_error
     from tpfuse.bench.providers import Providers
-    from tpfuse.kernels.reference import add_rmsnorm_reference
+    from tpfuse.blockend.reference import add_rmsnorm_reference
 
     resources = Providers(PROVIDERS, tokens, hidden)
     resources._norm = add_rmsnorm_reference  # eager: compiling the baselines' norm would add minutes

@@ -9,8 +9,9 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 import tpfuse
-from tpfuse.kernels import formats
-from tpfuse.kernels.block_end import FP4_GROUP, FP4_MXFP4, FP4_NVFP4, Epilogue
+from tpfuse.blockend import codecs
+from tpfuse.blockend.bits import FP4_GROUP, FP4_MXFP4, FP4_NVFP4
+from tpfuse.blockend.epilogue import Epilogue
 from tpfuse.models import Transformer
 from tpfuse.models.llama import HFRMSNorm
 from tpfuse.testing import fused_calls
@@ -394,10 +395,10 @@ def _dequantized(outputs, scale_group, fp4):
     if outputs[0].dtype == torch.uint8:
         codes, scales, h = outputs
         epilogue = Epilogue(fp4=fp4, global_scale=torch.ones(1) if fp4 == FP4_NVFP4 else None)
-        group = formats.scales_as_float(epilogue, scales, codes.shape[0], codes.shape[1] * 2)
+        group = epilogue.output.scales_as_float(scales, codes.shape[0], codes.shape[1] * 2)
         if fp4 == FP4_NVFP4:
             group = group / 300.0  # the example's global scale
-        values = formats.e2m1_values(codes).unflatten(-1, (-1, FP4_GROUP[fp4])) * group.unsqueeze(-1)
+        values = codecs.e2m1_values(codes).unflatten(-1, (-1, FP4_GROUP[fp4])) * group.unsqueeze(-1)
         return values.flatten(-2).double(), h
     if len(outputs) == 3:
         y, scales, h = outputs

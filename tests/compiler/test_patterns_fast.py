@@ -13,12 +13,12 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+from tpfuse.blockend.bits import FP4_MXFP4, FP4_NVFP4, SCALES_ROWS, SCALES_SHUFFLED
+from tpfuse.blockend.codecs import dynamic_fp8
 from tpfuse.compiler import PATTERNS, FusionPass
 from tpfuse.compiler.patterns import combinations, pattern_name
-from tpfuse.kernels.block_end import FP4_MXFP4, FP4_NVFP4, SCALES_ROWS, SCALES_SHUFFLED
-from tpfuse.kernels.reference import dynamic_fp8
-from tpfuse.kernels.targets import fp8_format
 from tpfuse.models.llama import HFRMSNorm
+from tpfuse.targets import fp8_format
 
 HIDDEN, TOKENS = 64, 6
 FUSED_OPS = (torch.ops.tpfuse.allreduce_add_rmsnorm.default,

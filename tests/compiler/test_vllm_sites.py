@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from tpfuse.blockend.bits import SCALES_COLUMNS, SCALES_PACKED_UE8M0
 from tpfuse.compiler import FusionPass
 from tpfuse.compiler.vllm_sites import functionalized, op_name
-from tpfuse.kernels.block_end import SCALES_COLUMNS, SCALES_PACKED_UE8M0
 
 HIDDEN, EPS = 64, 1e-6
 FUSED = torch.ops.tpfuse.allreduce_add_rmsnorm.default
@@ -403,7 +403,7 @@ def test_nvfp4_as_vllm_writes_it_fuses_whole(form):
     float, stay vLLM's, saying why."""
     from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
-    from tpfuse.kernels.block_end import FP4_NVFP4
+    from tpfuse.blockend.bits import FP4_NVFP4
 
     all_reduce, add_norm, _ = _vllm_ops()
     ops = _vllm_fp8_ops()

@@ -30,7 +30,7 @@ ONESHOT_MAX = 4
 
 
 def _calls(rank, world_size, cases, compress):
-    from tpfuse.kernels import targets
+    from tpfuse import targets
 
     assert targets.interpreted_arch() == "gfx942" and targets.fp8_format("cpu").dtype == torch.float8_e4m3fnuz
     comm = tpfuse.get_communicator(max_tokens=16, hidden=512, compress=compress)

@@ -95,7 +95,7 @@ def test_the_kernels_take_the_block_end_as_two_values():
     a call writes."""
     import dataclasses
 
-    from tpfuse.kernels.block_end import Epilogue, StepTensors, Switches
+    from tpfuse.blockend.epilogue import Epilogue, StepTensors, Switches
     from tpfuse.kernels.local import _local_add_rmsnorm_kernel
     from tpfuse.kernels.oneshot import _oneshot_allreduce_add_rmsnorm_kernel
     from tpfuse.kernels.twoshot import _twoshot_allreduce_add_rmsnorm_kernel
@@ -124,7 +124,7 @@ def test_a_calls_addresses_are_its_kernel_tensors_pointers(case):
     """A kept launch passes ``kernel_addresses`` to the compiled launcher where the JIT took
     ``kernel_tensors``: the same pointers in the same order and nesting (the steps' as one tuple, last),
     each absent step the stand-in."""
-    from tpfuse.kernels.block_end import StepTensors
+    from tpfuse.blockend.epilogue import StepTensors
     from tpfuse.kernels.oneshot import _oneshot_allreduce_add_rmsnorm_kernel
 
     call = case.fused_call(case.inputs(1, torch.device("cpu")), 0)  # a case without steps: the common path

@@ -98,7 +98,7 @@ def compile_shape(name: str, world: int, dtype: str, constexprs: dict, target, u
     constexprs = dict(constexprs)
     asked = constexprs.pop("num_warps", 16)
     step_types = {**STEP_POINTERS, **constexprs.pop("STEP_TYPES", {})}
-    from tpfuse.kernels.block_end import StepTensors, Switches
+    from tpfuse.blockend.epilogue import StepTensors, Switches
 
     switches = dict(PLAIN)
     for name in Switches._fields:

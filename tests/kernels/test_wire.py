@@ -49,7 +49,7 @@ def _calls(rank, world_size, backend, cases):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fp8_wire_within_its_bound_and_bit_identical(rank_pool, backend, world_size):
-    from tpfuse.kernels.reference import fused_reference_float64
+    from tpfuse.blockend.reference import fused_reference_float64
     from tpfuse.kernels.wire import wire_error_bound, wire_sum
 
     results = rank_pool(world_size, backend).run(_calls, backend, CASES)

@@ -11,7 +11,7 @@ returns, within the norm's own rounding: a y normed from the unrounded sum is up
 import pytest
 import torch
 
-from tpfuse.kernels.reference import norm_of
+from tpfuse.blockend.reference import norm_of
 from tpfuse.testing.cases import Case, batch_inputs, row_outputs
 
 pytestmark = pytest.mark.slow
@@ -115,7 +115,7 @@ def _check_invariant(world_size: int, names, kernel_runs: list[dict], gathered_r
 def _check_y_is_the_norm_of_h(names, runs: list[dict]):
     """Unquantised y (and the norm's copy) against the float64 norm of the returned h: within half a
     step of the output (plus fp32's error), where a y normed from the unrounded sum is up to 1.5 off."""
-    from tpfuse.kernels.block_end import Epilogue
+    from tpfuse.blockend.epilogue import Epilogue
 
     for name in names:
         result = runs[0][name]

@@ -59,9 +59,9 @@ def _count_decisions(monkeypatch, counts: dict) -> None:
     """Count every decision the per-call path should keep: the communicator's plan, the algorithm
     choice, and the launch plans (LaunchPlan objects)."""
     from tpfuse import select
+    from tpfuse.blockend.call import FusedCall
     from tpfuse.comm.communicator import Communicator
     from tpfuse.kernels import launch
-    from tpfuse.kernels.call import FusedCall
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -149,7 +149,7 @@ def test_a_graphs_call_of_the_common_block_end_takes_its_own_path(one_rank_group
     """A compiled graph calls the op with every block-end keyword spelled out at its default: the call is
     still the common one (``epilogue.PLAIN`` itself: its checks, launch tensors and kept plans), as an
     eager call's is; one step that differs makes it a block end of its own."""
-    from tpfuse.kernels.block_end import PLAIN, Epilogue
+    from tpfuse.blockend.epilogue import PLAIN, Epilogue
     from tpfuse.ops.route import Route
 
     seen = []

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tpfuse
-from tpfuse.kernels import formats
+from tpfuse.blockend import codecs
 from tpfuse.testing import cases_on_a_fresh_group, error_of
 from tpfuse.testing.cases import Case, check_case_runs
 
@@ -52,48 +52,54 @@ def test_quantised_outputs_without_a_communicator(rank_pool, world_size):
 def test_padding_is_zero_and_layouts_are_what_gemms_read():
     """The op's scale tensors: DeepGEMM's column-major (T padded to 4) and packed words, NVFP4's tiles
     and MXFP4's shuffled blocks with zero padding, fp4 codes two a byte (checked by encoding known values)."""
-    from tpfuse.kernels.block_end import (FP4_MXFP4, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0,
-                                          SCALES_SHUFFLED, Epilogue)
+    from tpfuse.blockend.bits import (
+        FP4_MXFP4,
+        FP4_NVFP4,
+        SCALES_COLUMNS,
+        SCALES_PACKED_UE8M0,
+        SCALES_SHUFFLED,
+    )
+    from tpfuse.blockend.epilogue import Epilogue
 
-    columns = formats.empty_scales(Epilogue(scale_group=128, scale_layout=SCALES_COLUMNS), 5, 1024, "cpu")
+    columns = Epilogue(scale_group=128, scale_layout=SCALES_COLUMNS).output.empty_scales(5, 1024, "cpu")
     assert columns.shape == (5, 8) and columns.stride() == (1, 8) and columns.dtype == torch.float32
-    packed = formats.empty_scales(Epilogue(scale_group=128, scale_layout=SCALES_PACKED_UE8M0), 5, 1024, "cpu")
+    packed = Epilogue(scale_group=128, scale_layout=SCALES_PACKED_UE8M0).output.empty_scales(5, 1024, "cpu")
     assert packed.shape == (5, 2) and packed.stride() == (1, 8) and packed.dtype == torch.int32
-    swizzled = formats.empty_scales(Epilogue(fp4=FP4_NVFP4, global_scale=torch.ones(1)), 5, 1024, "cpu")
+    swizzled = Epilogue(fp4=FP4_NVFP4, global_scale=torch.ones(1)).output.empty_scales(5, 1024, "cpu")
     assert swizzled.shape == (128, 64) and swizzled.dtype == torch.float8_e4m3fn
     assert not swizzled.float().any()
-    codes = formats.e2m1_codes(torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.3, -0.0]))
+    codes = codecs.e2m1_codes(torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.3, -0.0]))
     assert codes.tolist() == [0, 2, 2, 4, 4, 6, 6, 7, 9, 8]  # ties to even, saturated, signs kept
-    assert formats.pack_e2m1(torch.tensor([[1, 7]], dtype=torch.uint8)).tolist() == [[0x71]]
+    assert codecs.pack_e2m1(torch.tensor([[1, 7]], dtype=torch.uint8)).tolist() == [[0x71]]
     logical = torch.arange(128 * 8, dtype=torch.float32).view(128, 8)
-    tiles = formats.swizzle_block_scales(logical)
+    tiles = codecs.swizzle_block_scales(logical)
     # Entry (m, g) at tile (m // 128, g // 4), then (m % 32) * 16 + (m % 128) // 32 * 4 + g % 4.
     assert tiles.flatten()[1 * 16 + 1 * 4].item() == logical[33, 0]
     assert tiles.flatten()[512 + 1 * 16 + 1 * 4 + 1].item() == logical[33, 5]
-    assert torch.equal(formats.unswizzle_block_scales(tiles, 128, 8), logical)
-    shuffled = formats.empty_scales(Epilogue(fp4=FP4_MXFP4, scale_layout=SCALES_SHUFFLED), 5, 1024, "cpu")
+    assert torch.equal(codecs.unswizzle_block_scales(tiles, 128, 8), logical)
+    shuffled = Epilogue(fp4=FP4_MXFP4, scale_layout=SCALES_SHUFFLED).output.empty_scales(5, 1024, "cpu")
     assert shuffled.shape == (256, 32) and shuffled.dtype == torch.float8_e8m0fnu
     assert not shuffled.view(torch.uint8).any()
     # AITER's e8m0_shuffle, entry by entry: (m, g) at (m // 32) * 32 * G + (g // 8) * 256 + (g % 4) * 64 +
     # (m % 16) * 4 + (g % 8) // 4 * 2 + (m % 32) // 16, for G (groups, padded to 8) = 16.
     logical = torch.arange(64 * 16, dtype=torch.int32).view(64, 16)
-    flat = formats.shuffle_e8m0_scales(logical).flatten()
+    flat = codecs.shuffle_e8m0_scales(logical).flatten()
     for m in range(64):
         for g in range(16):
             at = (m // 32) * 32 * 16 + (g // 8) * 256 + (g % 4) * 64 + (m % 16) * 4 + (g % 8) // 4 * 2 + (m % 32) // 16
             assert flat[at] == logical[m, g], (m, g)
-    assert torch.equal(formats.unshuffle_e8m0_scales(formats.shuffle_e8m0_scales(logical), 64, 16), logical)
+    assert torch.equal(codecs.unshuffle_e8m0_scales(codecs.shuffle_e8m0_scales(logical), 64, 16), logical)
     # A call over the workspace runs in parts: each part's shuffled scales go to its rows of the whole.
     epilogue = Epilogue(fp4=FP4_MXFP4, scale_layout=SCALES_SHUFFLED)
     rows = torch.randint(100, 140, (40, 16), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
-    whole = formats.empty_scales(epilogue, 40, 512, "cpu")
+    whole = epilogue.output.empty_scales(40, 512, "cpu")
     for start, stop in ((0, 16), (16, 32), (32, 40)):
-        part = formats.empty_scales(epilogue, stop - start, 512, "cpu")
-        part.view(torch.uint8).copy_(formats.shuffle_e8m0_scales(
+        part = epilogue.output.empty_scales(stop - start, 512, "cpu")
+        part.view(torch.uint8).copy_(codecs.shuffle_e8m0_scales(
             torch.nn.functional.pad(rows[start:stop], (0, 0, 0, 256 - (stop - start)))))
-        formats.place_scale_rows(epilogue, whole, start, part, stop - start)
-    assert torch.equal(formats.unshuffle_e8m0_scales(whole.view(torch.uint8), 256, 16)[:40], rows)
-    assert not formats.unshuffle_e8m0_scales(whole.view(torch.uint8), 256, 16)[40:].any()
+        epilogue.output.place_scale_rows(whole, start, part, stop - start)
+    assert torch.equal(codecs.unshuffle_e8m0_scales(whole.view(torch.uint8), 256, 16)[:40], rows)
+    assert not codecs.unshuffle_e8m0_scales(whole.view(torch.uint8), 256, 16)[40:].any()
 
 
 def _one_rank_quantises_otherwise(rank, world_size):

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import tpfuse
-from tpfuse.kernels import formats
-from tpfuse.kernels.block_end import FP4_GROUP, FP4_MXFP4, FP4_NVFP4, SCALES_ROWS, SCALES_SHUFFLED, Epilogue
+from tpfuse.blockend import codecs
+from tpfuse.blockend.bits import FP4_GROUP, FP4_MXFP4, FP4_NVFP4, SCALES_ROWS, SCALES_SHUFFLED
+from tpfuse.blockend.epilogue import Epilogue
 
 FP4 = {"nvfp4": FP4_NVFP4, "mxfp4": FP4_MXFP4}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -15,11 +16,11 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def _decoded(codes, scales, fp4, global_scale, n_tokens, hidden, scale_layout=SCALES_ROWS):
     """The values the codes stand for: e2m1 times its group's scale (NVFP4's over the global scale)."""
     nvfp4 = torch.ones(1) if fp4 == FP4_NVFP4 else None  # the format's own keyword, never read here
-    group = formats.scales_as_float(Epilogue(fp4=fp4, scale_layout=scale_layout, global_scale=nvfp4), scales,
+    group = Epilogue(fp4=fp4, scale_layout=scale_layout, global_scale=nvfp4).output.scales_as_float(scales,
                                     n_tokens, hidden).double()
     if fp4 == FP4_NVFP4:
         group = group / global_scale.double()
-    values = formats.e2m1_values(codes).double().unflatten(-1, (-1, FP4_GROUP[fp4]))
+    values = codecs.e2m1_values(codes).double().unflatten(-1, (-1, FP4_GROUP[fp4]))
     return (values * group.unsqueeze(-1)).flatten(-2)
 
 
@@ -33,11 +34,11 @@ def test_values_the_format_holds_come_back_exactly(output):
     codes = torch.randint(0, 16, (n_tokens, hidden // group, group), generator=g)
     codes[..., 0] = 7  # 6.0: each group's largest
     powers = 2.0 ** torch.randint(-6, 4, (n_tokens, hidden // group, 1), generator=g)
-    y = (formats.E2M1_VALUES[codes] * powers).flatten(-2).bfloat16()
+    y = (codecs.E2M1_VALUES[codes] * powers).flatten(-2).bfloat16()
     global_scale = torch.tensor([16.0]) if fp4 == FP4_NVFP4 else None
     packed, scales = tpfuse.quantize_fp4(y, output, global_scale=global_scale)
     assert packed.shape == (n_tokens, hidden // 2) and packed.dtype == torch.uint8
-    layout = formats.empty_scales(Epilogue(fp4=fp4, global_scale=global_scale), n_tokens, hidden, "cpu")
+    layout = Epilogue(fp4=fp4, global_scale=global_scale).output.empty_scales(n_tokens, hidden, "cpu")
     assert (scales.shape == layout.shape and scales.dtype == layout.dtype
             and scales.stride() == layout.stride())
     assert torch.equal(_decoded(packed, scales, fp4, global_scale, n_tokens, hidden), y.double())
@@ -74,12 +75,12 @@ def test_shuffled_mxfp4_scales_are_the_rows_in_aiters_order():
     y = torch.randn(37, 1024, generator=torch.Generator().manual_seed(5)).bfloat16()
     codes, rows = tpfuse.quantize_fp4(y, "mxfp4")
     again, shuffled = tpfuse.quantize_fp4(y, "mxfp4", scale_layout="shuffled")
-    layout = formats.empty_scales(Epilogue(fp4=FP4_MXFP4, scale_layout=SCALES_SHUFFLED), 37, 1024, "cpu")
+    layout = Epilogue(fp4=FP4_MXFP4, scale_layout=SCALES_SHUFFLED).output.empty_scales(37, 1024, "cpu")
     assert shuffled.shape == layout.shape == (256, 32) and shuffled.dtype == layout.dtype
     assert torch.equal(again, codes)
     padded = torch.zeros(256, 32, dtype=torch.uint8)
     padded[:37] = rows.view(torch.uint8)
-    assert torch.equal(shuffled.view(torch.uint8), formats.shuffle_e8m0_scales(padded))
+    assert torch.equal(shuffled.view(torch.uint8), codecs.shuffle_e8m0_scales(padded))
     assert torch.equal(_decoded(codes, shuffled, FP4_MXFP4, None, 37, 1024, SCALES_SHUFFLED),
                        _decoded(codes, rows, FP4_MXFP4, None, 37, 1024))
     compiled = torch.compile(lambda t: tpfuse.quantize_fp4(t, "mxfp4", scale_layout="shuffled"),

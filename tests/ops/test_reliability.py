@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import tpfuse
+from tpfuse.blockend.reference import add_rmsnorm_reference
 from tpfuse.comm import workspace as ws
-from tpfuse.kernels.reference import add_rmsnorm_reference
 from tpfuse.select import AlgorithmTable, reload_tables
 from tpfuse.testing import forced_table, fused_calls
 from tpfuse.testing.cases import Case, check_results

@@ -17,7 +17,7 @@ SOAK_SECONDS = float(os.environ.get("TPFUSE_SOAK_SECONDS", "10"))
 
 
 def _soak(rank, world_size, seconds):
-    from tpfuse.kernels.reference import fused_reference_float64
+    from tpfuse.blockend.reference import fused_reference_float64
     from tpfuse.testing.cases import TOLERANCE
 
     device = torch.device("cuda", rank)

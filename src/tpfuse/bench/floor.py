@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from tpfuse.kernels.protocol import _peer_base, launch_config
-from tpfuse.kernels.targets import wait_ticks
 from tpfuse.kernels.vendor import load_polled, now, pdl_start, store_shared
+from tpfuse.targets import wait_ticks
 
 # Each rank's counter sits at its own 16-byte word group of a peer's buffer.
 _STRIDE = tl.constexpr(8)

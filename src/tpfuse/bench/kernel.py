@@ -24,7 +24,7 @@ BASELINES = ("nccl+norm", "symm_oneshot+norm", "fi_oneshot", "fi_twoshot")
 
 def bench_inputs(epilogue: str, n: int, hidden: int, world: int, rank: int, device: torch.device):
     """(case, this rank's inputs on ``device``, the float64 y on ``device``) of one size of ``--epilogue``."""
-    from tpfuse.kernels.reference import fused_reference_float64
+    from tpfuse.blockend.reference import fused_reference_float64
 
     case = epilogue_case(epilogue, n, hidden, seed=1000 * n + hidden)
     inputs = case.inputs(world)  # every rank's x, for the float64 reference

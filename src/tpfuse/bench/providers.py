@@ -79,7 +79,7 @@ class Providers:
 
     def __init__(self, requested: list[str], max_tokens: int, max_hidden: int):
         import tpfuse
-        from tpfuse.kernels.reference import add_rmsnorm_reference
+        from tpfuse.blockend.reference import add_rmsnorm_reference
 
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.requested = requested
@@ -122,7 +122,7 @@ class Providers:
         :class:`tpfuse.testing.cases.Case` and its inputs on this rank's device; with ``two_branches``
         ``inputs["x_other"]`` is all-reduced too and added."""
         import tpfuse
-        from tpfuse.kernels.call import FusedCall
+        from tpfuse.blockend.call import FusedCall
         from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
         from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
 

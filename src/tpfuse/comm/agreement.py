@@ -22,15 +22,14 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from tpfuse.kernels import layout
-from tpfuse.kernels.call import CallDescription
+from tpfuse.blockend.call import CallDescription, explain_flags
 
 #: Record kinds: the first field of every record.
 SETUP, REFERENCE_CALL, FUSED_CALL = 1, 2, 3
 
 _RECORDS = {SETUP: "communicator set-up", REFERENCE_CALL: "reference-path call", FUSED_CALL: "fused call"}
 # How a field's values read in an error message.
-_LABELS = {"record": _RECORDS.get, "flags": lambda flags: f"({layout.explain_flags(flags)})"}
+_LABELS = {"record": _RECORDS.get, "flags": lambda flags: f"({explain_flags(flags)})"}
 
 _reference_calls: dict[str, itertools.count] = {}
 
@@ -104,4 +103,4 @@ def check_reference_call(group: dist.ProcessGroup, device: torch.device, call: C
     number = next(_reference_calls.setdefault(group.group_name, itertools.count(1)))
     exchange(group, device, {"record": REFERENCE_CALL, "reference call number": number, **call.fields()},
              timeout_s, f"reference-path call #{number} ({call.tokens} x {call.hidden} "
-                        f"{layout.explain_flags(call.flags)})")
+                        f"{explain_flags(call.flags)})")

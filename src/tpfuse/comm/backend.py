@@ -13,8 +13,8 @@ import abc
 import functools
 from typing import Callable
 
-from tpfuse.kernels.block_end import Epilogue
-from tpfuse.kernels.call import FusedCall
+from tpfuse.blockend.call import FusedCall
+from tpfuse.blockend.epilogue import Epilogue
 
 
 class FusedBackend(abc.ABC):

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from tpfuse import select
+from tpfuse.blockend.call import CallDescription, FusedCall
+from tpfuse.blockend.epilogue import PLAIN, Epilogue
 from tpfuse.comm import agreement, topology
 from tpfuse.comm.backend import FusedBackend
 from tpfuse.kernels import kernels_usable
-from tpfuse.kernels.block_end import PLAIN, Epilogue
-from tpfuse.kernels.call import CallDescription, FusedCall
 
 log = logging.getLogger(__name__)
 

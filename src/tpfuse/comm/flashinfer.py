@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tpfuse.blockend.call import FusedCall
+from tpfuse.blockend.epilogue import Epilogue
 from tpfuse.comm.backend import FusedBackend
-from tpfuse.kernels.block_end import Epilogue
-from tpfuse.kernels.call import FusedCall
 from tpfuse.select import ONESHOT
 
 

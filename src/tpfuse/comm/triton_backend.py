@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from tpfuse import select
+from tpfuse.blockend.call import FusedCall, explain_descriptor
 from tpfuse.comm import workspace as ws
 from tpfuse.comm.backend import FusedBackend
 from tpfuse.kernels import layout
-from tpfuse.kernels.call import FusedCall
 from tpfuse.kernels.launch import launch
 from tpfuse.kernels.oneshot import oneshot_plan
 from tpfuse.kernels.twoshot import twoshot_plan
@@ -84,11 +84,11 @@ class TritonBackend(FusedBackend):
         peer = state[layout.STATE_ERROR_PEER] - 1
         if peer >= 0:
             seen = state[layout.STATE_ERROR_SEEN:layout.STATE_ERROR_SEEN + layout.DESC_WORDS]
-            return (f"fused call #{failed_call} ({layout.explain_descriptor(own, seen)}) does not match rank "
-                    f"{peer}'s call ({layout.explain_descriptor(seen, own)}): every rank must make the same "
+            return (f"fused call #{failed_call} ({explain_descriptor(own, seen)}) does not match rank "
+                    f"{peer}'s call ({explain_descriptor(seen, own)}): every rank must make the same "
                     "calls in the same order")
         waited = wait_timeout_s if waited_s is None else waited_s
-        return (f"fused call #{failed_call} ({layout.explain_descriptor(own)}) gave up after waiting "
+        return (f"fused call #{failed_call} ({explain_descriptor(own)}) gave up after waiting "
                 f"{waited:.3g} s for a peer (wait_timeout_s={wait_timeout_s:g}): a rank stalled or died, or "
                 "made no fused call (a reference-path call, say)")
 

@@ -14,9 +14,11 @@ from typing import NamedTuple
 import torch
 from torch.fx import Node
 
+from tpfuse.blockend import outputs as output_formats
+from tpfuse.blockend import stages
 from tpfuse.compiler.reasons import Reason
 from tpfuse.compiler.sizes import element_count, static_int
-from tpfuse.kernels.targets import Fp8Format, fp8_format
+from tpfuse.targets import Fp8Format, fp8_format
 
 aten, prims = torch.ops.aten, torch.ops.prims
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
@@ -598,8 +600,6 @@ def read_besides(out: Node, nodes: list[Node]) -> bool:
 
 
 def _stage_matchers() -> dict:
-    from tpfuse.kernels import outputs, stages
-
     return {
         stages.Finalize: match_finalize,
         stages.Bias: bias_of,
@@ -608,16 +608,16 @@ def _stage_matchers() -> dict:
         stages.LayerNorm: match_layernorm,
         # No norm after the sum: the plain all-reduce (patterns.plain_all_reduce_problem).
         stages.NoNorm: None,
-        outputs.Unquantised: None,  # the norm's output is y
-        outputs.StaticFp8: match_static_fp8,
-        outputs.DynamicFp8: match_dynamic_fp8,
-        outputs.NvFp4: match_fp4,
-        outputs.MxFp4: match_fp4,
+        output_formats.Unquantised: None,  # the norm's output is y
+        output_formats.StaticFp8: match_static_fp8,
+        output_formats.DynamicFp8: match_dynamic_fp8,
+        output_formats.NvFp4: match_fp4,
+        output_formats.MxFp4: match_fp4,
         stages.NormedCopy: read_besides,
     }
 
 
-#: Each block-end stage's graph matcher, by the stage's class (``kernels.stages``, ``kernels.outputs``): the
-#: compiler sits above the kernels, so the table is here, one entry a stage; None where the stage is the
+#: Each block-end stage's graph matcher, by the stage's class (``blockend.stages``, ``blockend.outputs``): the
+#: compiler sits above the block end, so the table is here, one entry a stage; None where the stage is the
 #: absence of a step in the graph. tests/compiler/test_patterns_fast.py checks that every stage has one.
 STAGE_MATCHERS = _stage_matchers()

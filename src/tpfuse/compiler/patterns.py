@@ -76,9 +76,9 @@ from tpfuse.compiler.matchers import (
 )
 from tpfuse.compiler.reasons import DYNAMIC_HIDDEN, Reason, no_communicator
 from tpfuse.compiler.sizes import element_count, size_expr, static_int, token_count
-from tpfuse.kernels.block_end import FP4_NVFP4, SCALES_ROWS
-from tpfuse.kernels.reference import dynamic_fp8
-from tpfuse.kernels.targets import fp8_format
+from tpfuse.blockend.bits import FP4_NVFP4, SCALES_ROWS
+from tpfuse.blockend.codecs import dynamic_fp8
+from tpfuse.targets import fp8_format
 
 
 def site_problem(reduce_op: str, hidden: int, dtype: torch.dtype) -> Reason | None:

@@ -41,6 +41,7 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
+from tpfuse.blockend.bits import FP4_GROUP, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0, SCALES_ROWS
 from tpfuse.compiler.matchers import (
     aten,
     converts_to,
@@ -60,7 +61,6 @@ from tpfuse.compiler.matchers import (
 from tpfuse.compiler.patterns import PATTERNS_BY_NAME, FusionPattern, Match, site_problem
 from tpfuse.compiler.reasons import DYNAMIC_HIDDEN, Reason
 from tpfuse.compiler.sizes import describe_shape, static_int
-from tpfuse.kernels.block_end import FP4_GROUP, FP4_NVFP4, SCALES_COLUMNS, SCALES_PACKED_UE8M0, SCALES_ROWS
 
 ALL_REDUCE = "vllm::all_reduce"
 ADD_NORM = "vllm_ir::fused_add_rms_norm"

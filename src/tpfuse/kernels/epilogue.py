@@ -11,13 +11,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.block_end import (
-    QUANT_NVFP4,
-    QUANT_STATIC,
-    SCALES_PACKED_UE8M0,
-    SCALES_ROWS,
-    SCALES_SHUFFLED,
-)
+from tpfuse.blockend.bits import QUANT_NVFP4, QUANT_STATIC, SCALES_PACKED_UE8M0, SCALES_ROWS, SCALES_SHUFFLED
 from tpfuse.kernels.fp8 import e4m3_bits_to_fp32, fp32_to_e4m3_bits, to_fp8_bits
 from tpfuse.kernels.vendor import fp8_max, round_to
 
@@ -214,8 +208,8 @@ def _e2m1_codes(v):
 @triton.jit
 def _store_fp4(y, y_ptr, steps, row, hidden, STEPS: tl.constexpr, BLOCK_H: tl.constexpr):
     """y as e2m1 codes, two a byte, with a scale a group of SCALE_GROUP elements: NVFP4 (16, e4m3
-    scales of ``amax / 6 * g``, in the 128 x 4 tiles of ``formats.swizzle_block_scales``) or MXFP4
-    (32, e8m0 scales ``2**(floor(log2(amax)) - 2)``, row-major or in ``formats.shuffle_e8m0_scales``'
+    scales of ``amax / 6 * g``, in the 128 x 4 tiles of ``codecs.swizzle_block_scales``) or MXFP4
+    (32, e8m0 scales ``2**(floor(log2(amax)) - 2)``, row-major or in ``codecs.shuffle_e8m0_scales``'
     order)."""
     GROUP: tl.constexpr = STEPS.SCALE_GROUP
     GROUPS: tl.constexpr = BLOCK_H // GROUP

@@ -18,8 +18,8 @@ import os
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.targets import E4M3FN, E4M3FNUZ, Fp8Format
 from tpfuse.kernels.vendor import fp8_fnuz
+from tpfuse.targets import E4M3FN, E4M3FNUZ, Fp8Format
 
 # Decided at import, as Triton decides between compiling and interpreting.
 _GPU = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")

@@ -117,7 +117,8 @@ def install() -> None:
     def create_inline_asm(self, asm, constraints, values, type, is_pure, pack):
         import triton.language as tl
 
-        from tpfuse.kernels import targets, vendor
+        from tpfuse import targets
+        from tpfuse.kernels import vendor
 
         if asm == vendor.OPAQUE_ZERO.value:  # the polls' zero that the compiler cannot know
             return _AsmCall(interpreter.TensorHandle(np.zeros(1, np.int32), tl.int32))

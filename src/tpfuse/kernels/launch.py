@@ -21,9 +21,9 @@ from typing import Callable
 
 import torch
 
+from tpfuse.blockend.call import FusedCall
+from tpfuse.blockend.epilogue import PLAIN
 from tpfuse.kernels import interpreter_enabled
-from tpfuse.kernels.block_end import PLAIN
-from tpfuse.kernels.call import FusedCall
 
 
 @dataclass

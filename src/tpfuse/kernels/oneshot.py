@@ -32,7 +32,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.call import FusedCall
+from tpfuse.blockend.call import FusedCall
 from tpfuse.kernels.epilogue import _before_residual, _load_params, _store_h_and_normed
 from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
 from tpfuse.kernels.layout import LaunchContext

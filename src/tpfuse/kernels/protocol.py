@@ -15,8 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tpfuse.kernels import layout, targets
-from tpfuse.kernels.call import FusedCall
+from tpfuse import targets
+from tpfuse.blockend import bits
+from tpfuse.blockend.call import FusedCall
+from tpfuse.kernels import layout
 from tpfuse.kernels.epilogue import _moe_partial
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.vendor import arrive, load_polled, now, pdl_start, store_shared
@@ -93,8 +95,8 @@ def call_constexprs(ctx: LaunchContext, call: FusedCall, twoshot: bool, wire: bo
     assert hidden % 8 == 0 and workspace.region_elems % 8 == 0, (hidden, workspace.region_elems)
     return dict(HAS_RESIDUAL=call.residual is not None, STEPS=call.epilogue.switches(hidden),
                 DEADLINE_GIVEN=call.x.device.type != "cuda",
-                DESC_FLAGS=call.describe().flags | (layout.FLAG_TWOSHOT if twoshot else 0)
-                | (layout.FLAG_FP8_WIRE if wire else 0))
+                DESC_FLAGS=call.describe().flags | (bits.FLAG_TWOSHOT if twoshot else 0)
+                | (bits.FLAG_FP8_WIRE if wire else 0))
 
 
 @triton.jit
@@ -189,7 +191,7 @@ def _wait_row(src, mask, deadline):
 
 @triton.jit
 def _describe_call(n_tokens, hidden, call, region_elems, FLAGS: tl.constexpr):
-    """This call's descriptor: ``layout.describe_call`` as a vector of DESC_WORDS int16 words."""
+    """This call's descriptor: ``bits.describe_call`` as a vector of DESC_WORDS int16 words."""
     i = tl.arange(0, _DESC_WORDS)
     words = tl.where(i == 0, n_tokens, tl.where(i == 1, n_tokens >> 15, tl.where(i == 2, hidden, tl.where(
         i == 3, FLAGS, tl.where(i == 4, call, tl.where(i == 5, region_elems, tl.where(

@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tpfuse.kernels.call import FusedCall
+from tpfuse.blockend.call import FusedCall
 from tpfuse.kernels.epilogue import _before_residual, _load_params, _partial_row, _store_h_and_normed
 from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
 from tpfuse.kernels.layout import LaunchContext

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from tpfuse.kernels.targets import E4M3FNUZ, fp8_format_of, interpreted_arch
+from tpfuse.targets import E4M3FNUZ, fp8_format_of, interpreted_arch
 
 # --- Compile-time choices, for the kernels -------------------------------------------------------------
 # These are Triton builtins: the compiler calls them with its state, from which they read the

@@ -1,13 +1,13 @@
 """All-reduce + residual add + RMSNorm (+ quantised outputs) as ``torch.library`` ops, with the optional
 steps real models put around them: a MoE finalize before the sum, a bias after it, Gemma's post-norm
-before the residual add, LayerNorm instead of RMSNorm, fp8 / fp4 output (``kernels.block_end.Epilogue``,
+before the residual add, LayerNorm instead of RMSNorm, fp8 / fp4 output (``blockend.epilogue.Epilogue``,
 whose fields are the ops' keyword-only arguments, declared there once).
 
 The ops share one implementation: ``tpfuse::allreduce_add_rmsnorm`` (functional, what graphs and the
 compiler pass use), ``tpfuse::allreduce_add_rmsnorm_out`` (writes preallocated outputs),
 ``tpfuse::allreduce_add_rmsnorm_quant`` (every quantised output with its scales, the norm's copy) and
 ``tpfuse::all_reduce`` (the sum alone). Each call is checked, made into one
-:class:`tpfuse.kernels.call.FusedCall` and run by its group's route (``ops.route``): the local kernel
+:class:`tpfuse.blockend.call.FusedCall` and run by its group's route (``ops.route``): the local kernel
 (a group of one rank), a fused kernel (the Triton one-shot or two-shot, or FlashInfer's) as the
 communicator plans it, fused calls of the limit's rows, or the reference path (the group's own
 all-reduce, then the same block end in torch).
@@ -24,12 +24,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from tpfuse.kernels import block_end
-from tpfuse.kernels.block_end import Epilogue
-from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.stages import check_experts, check_like_rows, check_row
-from tpfuse.kernels.targets import fp8_format
+from tpfuse.blockend import bits
+from tpfuse.blockend.call import FusedCall
+from tpfuse.blockend.epilogue import PLAIN, Epilogue, schema
+from tpfuse.blockend.stages import check_experts, check_like_rows, check_row
 from tpfuse.ops.route import group_name_of, route_of
+from tpfuse.targets import fp8_format
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -44,7 +44,7 @@ def check_inputs(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
-    epilogue: Epilogue = block_end.PLAIN,
+    epilogue: Epilogue = PLAIN,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
 ) -> None:
@@ -76,14 +76,14 @@ def check_inputs(
         if weight is None:
             raise TypeError("weight must be a tensor (the RMSNorm gain), got None")
         check_row("weight", weight, shape, dtype, device)
-    if epilogue is not block_end.PLAIN:
+    if epilogue is not PLAIN:
         check_block_end(x, shape, epilogue, device)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if out is None and residual_out is None:
         return
     if out is not None:
-        y_dtype = dtype if epilogue is block_end.PLAIN else _output_dtype(x, epilogue)
+        y_dtype = dtype if epilogue is PLAIN else _output_dtype(x, epilogue)
         if not (isinstance(out, torch.Tensor) and out.dtype is y_dtype and out.shape == shape and out.is_contiguous()
                 and out.device == device):
             check_like_rows("out", out, shape, device, y_dtype,
@@ -145,7 +145,7 @@ def _empty_rows(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
 # call). The block end's steps are keyword-only arguments, from Epilogue's fields.
 _lib = torch.library.Library("tpfuse", "DEF")
 _CALL = "Tensor x, Tensor? residual, Tensor weight, float eps, str group_name"
-_STEPS = block_end.schema()
+_STEPS = schema()
 _lib.define(f"allreduce_add_rmsnorm({_CALL}, *, {_STEPS}) -> (Tensor, Tensor)")
 _lib.define(f"allreduce_add_rmsnorm_out({_CALL}, Tensor(a!) y, Tensor(b!) h, *, {_STEPS}) -> ()")
 _lib.define(f"allreduce_add_rmsnorm_quant({_CALL}, *, {_STEPS}) -> (Tensor, Tensor, Tensor, Tensor)")
@@ -293,7 +293,7 @@ def allreduce_add_rmsnorm(
     """
     if (quant_scale is None and bias is None and sum_weight is None and not layer_norm and norm_bias is None
             and topk_weights is None and shared_expert is None and _experts(x) == 0):
-        epilogue = block_end.PLAIN  # the common call: no block end to build
+        epilogue = PLAIN  # the common call: no block end to build
     else:
         epilogue = Epilogue(quant_scale, bias, sum_weight, layer_norm, norm_bias, experts=_experts(x),
                             topk_weights=topk_weights, shared_expert=shared_expert)
@@ -376,9 +376,9 @@ class QuantizedOutputs(NamedTuple):
 
 
 #: ``allreduce_add_rmsnorm_quant``'s ``output`` and ``scale_layout`` words.
-OUTPUTS = {"fp8": block_end.FP4_NONE, "nvfp4": block_end.FP4_NVFP4, "mxfp4": block_end.FP4_MXFP4}
-SCALE_LAYOUTS = {"rows": block_end.SCALES_ROWS, "columns": block_end.SCALES_COLUMNS,
-                 "packed_ue8m0": block_end.SCALES_PACKED_UE8M0, "shuffled": block_end.SCALES_SHUFFLED}
+OUTPUTS = {"fp8": bits.FP4_NONE, "nvfp4": bits.FP4_NVFP4, "mxfp4": bits.FP4_MXFP4}
+SCALE_LAYOUTS = {"rows": bits.SCALES_ROWS, "columns": bits.SCALES_COLUMNS,
+                 "packed_ue8m0": bits.SCALES_PACKED_UE8M0, "shuffled": bits.SCALES_SHUFFLED}
 
 
 def allreduce_add_rmsnorm_quant(
@@ -432,7 +432,7 @@ def allreduce_add_rmsnorm_quant(
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"scale_layout must be one of {sorted(SCALE_LAYOUTS)}, got {scale_layout!r}")
     fp4 = OUTPUTS[output]
-    if fp4 == block_end.FP4_NONE and quant_scale is None:
+    if fp4 == bits.FP4_NONE and quant_scale is None:
         scale_group = x.shape[-1] if scale_group is None and isinstance(x, torch.Tensor) else scale_group
         if isinstance(scale_group, bool) or not isinstance(scale_group, int) or scale_group <= 0:
             raise ValueError(f"scale_group must be a positive int (elements per scale), got {scale_group!r}")

@@ -1,7 +1,7 @@
 """fp4 quantisation of a normed row on its own: ``tpfuse.quantize_fp4`` and its ``torch.library`` op.
 
 The same codes and scales, in the same layouts, as :func:`tpfuse.allreduce_add_rmsnorm_quant` writes
-for ``output="nvfp4"`` / ``"mxfp4"``, computed in torch (``kernels.formats``): for a site the fused op
+for ``output="nvfp4"`` / ``"mxfp4"``, computed in torch (``blockend.outputs``): for a site the fused op
 does not take (over the fusion limit, outside a tensor-parallel group), and as the form of fp4 a model
 writes in PyTorch. The compiler pass finds ``tpfuse::quantize_fp4`` of a fused site's norm output and
 takes it into the fused op (the ``...Fp4Quant`` patterns), as it takes vLLM's ``scaled_fp4_quant``.
@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from tpfuse.kernels import block_end, formats
+from tpfuse.blockend.bits import FP4_NONE, SCALES_ROWS
+from tpfuse.blockend.epilogue import Epilogue
 from tpfuse.ops.allreduce_add_rmsnorm import OUTPUTS, SCALE_LAYOUTS, check_block_end
 
 _lib = torch.library.Library("tpfuse", "FRAGMENT")
 _lib.define("quantize_fp4(Tensor y, int fp4, Tensor? global_scale, int scale_layout=0) -> (Tensor, Tensor)")
 
 #: ``quantize_fp4``'s ``output`` words (``allreduce_add_rmsnorm_quant``'s fp4 ones).
-FP4_OUTPUTS = {word: fp4 for word, fp4 in OUTPUTS.items() if fp4 != block_end.FP4_NONE}
+FP4_OUTPUTS = {word: fp4 for word, fp4 in OUTPUTS.items() if fp4 != FP4_NONE}
 
 
 def _check(y: torch.Tensor, fp4: int, global_scale: torch.Tensor | None,
-           scale_layout: int) -> block_end.Epilogue:
+           scale_layout: int) -> Epilogue:
     """The quantisation's block end, after the fused op's own checks of its fp4 output."""
     if not isinstance(y, torch.Tensor) or y.dim() != 2 or not y.is_floating_point():
         raise ValueError(f"y must be a floating-point [tokens, hidden] tensor, got "
@@ -32,22 +33,20 @@ def _check(y: torch.Tensor, fp4: int, global_scale: torch.Tensor | None,
         raise ValueError(f"fp4 must be FP4_NVFP4 or FP4_MXFP4, got {fp4!r}")
     # the fused op's own checks of its fp4 output: the group divides the row, the global scale's form,
     # the scales' layout
-    epilogue = block_end.Epilogue(fp4=fp4, global_scale=global_scale, scale_layout=scale_layout)
+    epilogue = Epilogue(fp4=fp4, global_scale=global_scale, scale_layout=scale_layout)
     check_block_end(y, y.shape, epilogue, y.device)
     return epilogue
 
 
-def _quantize(y, fp4, global_scale, scale_layout=block_end.SCALES_ROWS):
-    _check(y, fp4, global_scale, scale_layout)
-    if fp4 == block_end.FP4_NVFP4:
-        return formats.nvfp4(y.float(), global_scale)
-    return formats.mxfp4(y.float(), scale_layout)
+def _quantize(y, fp4, global_scale, scale_layout=SCALES_ROWS):
+    epilogue = _check(y, fp4, global_scale, scale_layout)
+    return epilogue.output.quantise(y.float(), epilogue, y.dtype)
 
 
-def _quantize_fake(y, fp4, global_scale, scale_layout=block_end.SCALES_ROWS):
+def _quantize_fake(y, fp4, global_scale, scale_layout=SCALES_ROWS):
     epilogue = _check(y, fp4, global_scale, scale_layout)
     n_tokens, hidden = y.shape
-    scales = formats.empty_scales(epilogue, n_tokens, hidden, y.device)
+    scales = epilogue.output.empty_scales(n_tokens, hidden, y.device)
     return y.new_empty((n_tokens, hidden // 2), dtype=torch.uint8), scales
 
 

@@ -39,10 +39,10 @@ from tpfuse.comm.communicator import (
     on_destroy,
     resolve_group,
 )
-from tpfuse.kernels import formats, kernels_usable
-from tpfuse.kernels.block_end import Epilogue
-from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.reference import add_rmsnorm_reference, rank_part, unquantised
+from tpfuse.blockend.call import FusedCall
+from tpfuse.blockend.epilogue import Epilogue
+from tpfuse.blockend.reference import add_rmsnorm_reference, rank_part, unquantised
+from tpfuse.kernels import kernels_usable
 from tpfuse.ops.determinism import batch_invariant
 
 log = logging.getLogger(__name__)
@@ -141,8 +141,8 @@ class Route:
             for start in range(0, call.n_tokens, chunk_rows):
                 part = call.rows(start, min(start + chunk_rows, call.n_tokens))
                 self._run_fused(part, self.comm.plan(part), checking)
-                if part.scales is not None and not formats.scales_by_rows(call.epilogue):
-                    formats.place_scale_rows(call.epilogue, call.scales, start, part.scales, part.n_tokens)
+                if part.scales is not None and not call.epilogue.output.scales_by_rows:
+                    call.epilogue.output.place_scale_rows(call.scales, start, part.scales, part.n_tokens)
         except RuntimeError:
             for out in call.outputs():  # a failed call returns none of its rows, not even those of chunks
                 # that went through: NaN, or every bit set (codes and packed exponents)

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tpfuse.kernels import formats
-from tpfuse.kernels.block_end import FP4_GROUP, FP4_MXFP4, FP4_NONE, FP4_NVFP4, Epilogue
-from tpfuse.kernels.call import FusedCall
-from tpfuse.kernels.reference import fused_reference_float64, rank_part, unquantised
-from tpfuse.kernels.targets import E4M3FN, E4M3FNUZ, fp8_format
+from tpfuse.blockend import codecs
+from tpfuse.blockend.bits import FP4_GROUP, FP4_MXFP4, FP4_NONE, FP4_NVFP4
+from tpfuse.blockend.call import FusedCall
+from tpfuse.blockend.epilogue import Epilogue
+from tpfuse.blockend.reference import fused_reference_float64, rank_part, unquantised
 from tpfuse.ops.allreduce_add_rmsnorm import SCALE_LAYOUTS
+from tpfuse.targets import E4M3FN, E4M3FNUZ, fp8_format
 
 # (atol, rtol) of y and h against float64, by the dtype y is stored in.
 TOLERANCE = {
@@ -97,7 +98,7 @@ class Case:
             y = torch.full(rows, nan_code, dtype=torch.uint8, device=x.device).view(fmt.dtype)
         elif self.fp4:
             y = torch.full((self.tokens, self.hidden // 2), 0xFF, dtype=torch.uint8, device=x.device)
-        scales = formats.empty_scales(steps, self.tokens, self.hidden, x.device)
+        scales = steps.output.empty_scales(self.tokens, self.hidden, x.device)
         if scales is not None:  # every bit set: NaN, or packed exponents no scale has
             scales.fill_(float("nan") if scales.is_floating_point() else -1)
         normed = torch.full(rows, float("nan"), dtype=x.dtype, device=x.device) if self.normed_copy else None
@@ -194,7 +195,7 @@ def check_results(case: Case, world_size: int, per_rank: list[tuple[torch.Tensor
         if case.fp4:
             checks = [("h", h, h_ref)] + _fp4_checks(epilogue, y.cpu(), scales.cpu(), y_ref.cpu())
         elif case.scale_group:
-            got = formats.scales_as_float(epilogue, scales.cpu(), case.tokens, case.hidden).double()
+            got = epilogue.output.scales_as_float(scales.cpu(), case.tokens, case.hidden).double()
             groups = y_ref.cpu().unflatten(-1, (-1, case.scale_group))
             expected = (groups.abs().amax(-1) / fmt.max).clamp(min=fmt.min_dynamic_scale)
             checks = [("y", y, (groups / got.unsqueeze(-1)).flatten(-2)), ("h", h, h_ref)]
@@ -243,7 +244,7 @@ def _fp4_checks(epilogue: Epilogue, y: torch.Tensor, scales: torch.Tensor, y_ref
     6), and its scales against their definitions; as (name, got, ref) checks with exact tolerance."""
     n_tokens, hidden = y_ref.shape
     group = FP4_GROUP[epilogue.fp4]
-    got_scales = formats.scales_as_float(epilogue, scales, n_tokens, hidden).double()
+    got_scales = epilogue.output.scales_as_float(scales, n_tokens, hidden).double()
     amax = y_ref.unflatten(-1, (-1, group)).abs().amax(-1)
     if epilogue.fp4 == FP4_NVFP4:
         g = epilogue.global_scale.cpu().double()
@@ -256,7 +257,7 @@ def _fp4_checks(epilogue: Epilogue, y: torch.Tensor, scales: torch.Tensor, y_ref
         factor = 1 / got_scales
     v = (y_ref.unflatten(-1, (-1, group)) * factor.unsqueeze(-1)).flatten(-2).clamp(-6, 6)
     step = torch.where(v.abs() < 2, 0.5, torch.where(v.abs() < 4, 1.0, 2.0))
-    decoded = formats.e2m1_values(y).double()
+    decoded = codecs.e2m1_values(y).double()
     value_ok = (decoded - v).abs() <= step / 2 + 1e-2 * v.abs() + 1e-6
     return [("fp4 scales", scale_ok.double(), torch.ones_like(got_scales)),
             ("fp4 y", value_ok.double(), torch.ones_like(v))]
@@ -308,7 +309,7 @@ def row_outputs(case: Case, inputs: dict, outputs: tuple, rows: int) -> list[dic
     y, h, *extra = outputs
     scales, normed = (list(extra) + [None, None])[:2]
     if scales is not None:
-        scales = formats.scales_as_float(case.epilogue(inputs), scales, rows, case.hidden)
+        scales = case.epilogue(inputs).output.scales_as_float(scales, rows, case.hidden)
     per_row = []
     for i in range(rows):
         row = {"y": y[i], "h": h[i]}

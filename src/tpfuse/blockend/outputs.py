@@ -14,7 +14,8 @@ or raises naming the combination that is none of them::
 Each format owns, in one place: its checks against the hidden size, its descriptor code (every field
 that two ranks could disagree on, dynamic fp8's group size included), the kernels' switches, y's and the
 scales' buffers and layout, and its torch reference step. A new format is one class here, its store in
-``kernels/epilogue.py`` and a keyword in the op (docs/architecture.md). This module needs no Triton.
+``kernels/epilogue.py`` and a keyword in the op (docs/architecture.md). This module builds on
+``blockend.bits``, ``codecs`` and ``stages``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import ClassVar
 
 import torch
 
-from tpfuse.kernels import formats, layout
-from tpfuse.kernels.block_end import (
+from tpfuse.blockend import bits, codecs
+from tpfuse.blockend.bits import (
     FP4_GROUP,
     FP4_MXFP4,
     FP4_NONE,
@@ -40,8 +41,8 @@ from tpfuse.kernels.block_end import (
     SCALES_ROWS,
     SCALES_SHUFFLED,
 )
-from tpfuse.kernels.stages import Stage
-from tpfuse.kernels.targets import fp8_format
+from tpfuse.blockend.stages import Stage
+from tpfuse.targets import fp8_format
 
 __all__ = ["DynamicFp8", "MxFp4", "NvFp4", "Output", "StaticFp8", "Unquantised", "explain_code", "of"]
 
@@ -55,7 +56,7 @@ def _round_up(n: int, to: int) -> int:
 
 @dataclass(frozen=True)
 class Output(Stage):
-    """An output format: the block end's last stage (``kernels.stages``). Subclasses set the class constants
+    """An output format: the block end's last stage (``blockend.stages``). Subclasses set the class constants
     and override what differs."""
 
     keywords: ClassVar[tuple] = ("quant_scale", "scale_group", "ue8m0_scales", "scale_layout", "fp4",
@@ -63,7 +64,7 @@ class Output(Stage):
     #: The block end's float32 one-element scales this format reads (``Epilogue.check`` checks them).
     scale_keywords: ClassVar[tuple] = ()
 
-    #: The format's code in the descriptor (``layout.OUTPUT_SHIFT``): a number per format and variant.
+    #: The format's code in the descriptor (``bits.OUTPUT_SHIFT``): a number per format and variant.
     code: ClassVar[int]
     #: The kernels' ``QUANT`` switch.
     quant: ClassVar[int]
@@ -97,8 +98,8 @@ class Output(Stage):
         return hidden // self.group if self.group else 0
 
     def flags(self, hidden: int) -> int:
-        """The descriptor bits of this format (``layout.OUTPUT_*``)."""
-        return self.code << layout.OUTPUT_SHIFT
+        """The descriptor bits of this format (``bits.OUTPUT_*``)."""
+        return self.code << bits.OUTPUT_SHIFT
 
     def switches(self, hidden: int) -> dict:
         """The kernels' switches for y: ``QUANT``, ``SCALE_GROUP``, ``POW2_SCALES``, ``SCALE_LAYOUT``."""
@@ -133,6 +134,24 @@ class Output(Stage):
     def scale_values(self, scales: torch.Tensor, n_tokens: int, groups: int) -> torch.Tensor:
         """The scales (by rows, padding cut) as float32 ``[T, groups]``."""
         return scales.float().contiguous()
+
+    def scales_as_float(self, scales: torch.Tensor, n_tokens: int, hidden: int) -> torch.Tensor:
+        """A call's scales, in this format's layout, as float32 ``[T, groups]``."""
+        groups = self.scale_groups(hidden)
+        if self.tiled is not None:
+            scales = self.tiled[1](scales, *scales.shape)[:n_tokens, :groups]
+        return self.scale_values(scales, n_tokens, groups)
+
+    def place_scale_rows(self, scales: torch.Tensor, start: int, part: torch.Tensor, rows: int) -> None:
+        """Put ``part`` (the scales of a call of ``rows`` rows, in this layout) at rows ``start:start +
+        rows`` of ``scales`` (a larger call's)."""
+        if self.tiled is None:
+            scales[start:start + rows].copy_(part[:rows])
+            return
+        place, by_rows = self.tiled
+        whole = by_rows(scales, *scales.shape)
+        whole[start:start + rows] = by_rows(part, *part.shape)[:rows]
+        scales.copy_(place(whole))
 
     def quantise(self, y: torch.Tensor, epilogue, out_dtype: torch.dtype):
         """The torch reference of this step: fp32 ``y`` [T, H] -> (y, scales or None)."""
@@ -201,7 +220,7 @@ class DynamicFp8(Output):
         if self.layout != SCALES_PACKED_UE8M0:
             return super().in_layout(scales)
         out = self.empty_scales(scales.shape[0], scales.shape[1] * self.group, scales.device)
-        exponents = formats.ue8m0_bytes(scales).to(torch.int32)
+        exponents = codecs.ue8m0_bytes(scales).to(torch.int32)
         padded = torch.zeros((scales.shape[0], out.shape[1] * 4), dtype=torch.int32, device=scales.device)
         padded[:, :scales.shape[1]] = exponents
         words = padded.view(scales.shape[0], -1, 4)
@@ -211,7 +230,7 @@ class DynamicFp8(Output):
     def flags(self, hidden: int) -> int:
         # A group's log2 - 2 (8 -> 1, ..., 16384 -> 12); 0 for one scale a token (the group is the row).
         group_code = 0 if self.group_size == hidden else self.group_size.bit_length() - 3
-        return self.code << layout.OUTPUT_SHIFT | group_code << layout.SCALE_GROUP_SHIFT
+        return self.code << bits.OUTPUT_SHIFT | group_code << bits.SCALE_GROUP_SHIFT
 
     def switches(self, hidden: int) -> dict:
         return dict(QUANT=QUANT_DYNAMIC, SCALE_GROUP=0 if self.group_size == hidden else self.group_size,
@@ -231,13 +250,11 @@ class DynamicFp8(Output):
             # row-major
             rows = torch.empty(scales.shape, dtype=torch.int32, device=scales.device).copy_(scales)
             words = rows.view(torch.uint8).view(n_tokens, -1)  # bytes little-endian: group order
-            return formats.e8m0_values(words[:, :groups])
+            return codecs.e8m0_values(words[:, :groups])
         return scales.float().contiguous()
 
     def quantise(self, y, epilogue, out_dtype):
-        from tpfuse.kernels.reference import dynamic_fp8  # the reference imports this module
-
-        y, scales = dynamic_fp8(y, self.group_size, pow2=self.pow2)
+        y, scales = codecs.dynamic_fp8(y, self.group_size, pow2=self.pow2)
         return y, self.in_layout(scales)
 
 
@@ -272,7 +289,7 @@ class NvFp4(_Fp4):
     quant: ClassVar[int] = QUANT_NVFP4
     words: ClassVar[str] = "NVFP4 output"
     scale_keywords: ClassVar[tuple] = ("global_scale",)
-    tiled: ClassVar[tuple] = (formats.swizzle_block_scales, formats.unswizzle_block_scales)
+    tiled: ClassVar[tuple] = (codecs.swizzle_block_scales, codecs.unswizzle_block_scales)
 
     label: ClassVar[str] = "NVFP4"
     group: ClassVar[int] = FP4_GROUP[FP4_NVFP4]
@@ -282,7 +299,8 @@ class NvFp4(_Fp4):
                            dtype=torch.float8_e4m3fn, device=device)
 
     def quantise(self, y, epilogue, out_dtype):
-        return formats.nvfp4(y, epilogue.global_scale)
+        codes, scales = codecs.nvfp4(y, epilogue.global_scale)
+        return codes, self.in_layout(scales)
 
 
 @dataclass(frozen=True)
@@ -306,7 +324,7 @@ class MxFp4(_Fp4):
 
     @property
     def tiled(self):
-        return (formats.shuffle_e8m0_scales, formats.unshuffle_e8m0_scales) if self.shuffled else None
+        return (codecs.shuffle_e8m0_scales, codecs.unshuffle_e8m0_scales) if self.shuffled else None
 
     @property
     def scale_layout(self) -> int:
@@ -320,10 +338,11 @@ class MxFp4(_Fp4):
         return torch.empty((n_tokens, groups), dtype=torch.float8_e8m0fnu, device=device)
 
     def scale_values(self, scales, n_tokens, groups):
-        return formats.e8m0_values(scales.view(torch.uint8))
+        return codecs.e8m0_values(scales.view(torch.uint8))
 
     def quantise(self, y, epilogue, out_dtype):
-        return formats.mxfp4(y, SCALES_SHUFFLED if self.shuffled else SCALES_ROWS)
+        codes, scales = codecs.mxfp4(y)
+        return codes, self.in_layout(scales)
 
 
 _NEEDS_GROUP = "ue8m0_scales and scale_layout place dynamic fp8 scales: they need a scale_group"
@@ -378,14 +397,14 @@ _BY_CODE = {output.code: output for output in (
 
 
 def explain_code(flags: int) -> list[str]:
-    """The output format's words of a flags word (``layout.explain_flags``)."""
-    code = (flags & layout.FLAGS_OUTPUT) >> layout.OUTPUT_SHIFT
+    """The output format's words of a flags word (``call.explain_flags``)."""
+    code = (flags & bits.FLAGS_OUTPUT) >> bits.OUTPUT_SHIFT
     output = _BY_CODE.get(code)
     if output is None:
         return [f"output code {code}"]
     if not isinstance(output, DynamicFp8):
         return [output.words] if output.words else []
-    group_code = (flags & layout.FLAGS_SCALE_GROUP) >> layout.SCALE_GROUP_SHIFT
+    group_code = (flags & bits.FLAGS_SCALE_GROUP) >> bits.SCALE_GROUP_SHIFT
     words = [f"fp8 output scaled per group of {1 << (group_code + 2)}" if group_code else output.words]
     if output.pow2 and output.layout != SCALES_PACKED_UE8M0:
         words.append("UE8M0 scales")

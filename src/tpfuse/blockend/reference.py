@@ -1,8 +1,8 @@
 """Pure-torch reference of the fused op: the reference backend's math and the kernels' oracle.
 
-The steps are the block end's stages (``kernels.stages``), each with its own torch step: a MoE finalize,
+The steps are the block end's stages (``blockend.stages``), each with its own torch step: a MoE finalize,
 sum, + bias, post-norm, + residual, RMSNorm or LayerNorm, fp8 with a static or dynamic scale, NVFP4 or
-MXFP4 (``kernels.outputs``).
+MXFP4 (``blockend.outputs``). The top of ``tpfuse.blockend``: nothing in the package imports it.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import dataclasses
 
 import torch
 
-from tpfuse.kernels import formats
-from tpfuse.kernels.block_end import FP4_NONE, PLAIN, SCALES_ROWS, Epilogue
-from tpfuse.kernels.targets import Fp8Format, fp8_format
+from tpfuse.blockend.bits import FP4_NONE, SCALES_ROWS
+from tpfuse.blockend.epilogue import PLAIN, Epilogue
+from tpfuse.targets import Fp8Format, fp8_format
 
-__all__ = ["add_rmsnorm_reference", "dynamic_fp8", "fused_reference_float64", "norm_of", "rank_part",
-           "round_h", "unquantised"]
+__all__ = ["add_rmsnorm_reference", "fused_reference_float64", "norm_of", "rank_part", "round_h",
+           "unquantised"]
 
 
 def rank_part(x: torch.Tensor, epilogue: Epilogue = PLAIN,
@@ -58,23 +58,6 @@ def norm_of(h: torch.Tensor, weight: torch.Tensor, eps: float, epilogue: Epilogu
     return epilogue.stages.norm.reference(h, weight, eps)
 
 
-def dynamic_fp8(y: torch.Tensor, group: int, fmt: Fp8Format | None = None,
-                pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``y`` [..., H] as fp8 of ``fmt`` (default: ``y``'s device's, ``targets.fp8_format``) with one scale
-    per ``group`` elements of a row (a group of H: one scale a token), and the scales [..., H // group]
-    (float32): ``scale = max(amax / fp8_max, fmt.min_dynamic_scale)``, ``q = clamp(y / scale, -fp8_max,
-    fp8_max)`` with fp8_max 448 (e4m3fn) or 240 (e4m3fnuz); ``pow2``: each scale rounded up to a power of
-    two (UE8M0). Also the form the compiler's dynamic fp8 pattern finds in a model
-    (``compiler.matchers``)."""
-    fmt = fmt or fp8_format(y.device)
-    groups = y.float().unflatten(-1, (-1, group))
-    scales = (groups.abs().amax(-1, keepdim=True) / fmt.max).clamp(min=fmt.min_dynamic_scale)
-    if pow2:
-        scales = formats.pow2_at_least(scales)
-    q = (groups / scales).clamp(-fmt.max, fmt.max).to(fmt.dtype)
-    return q.flatten(-2), scales.squeeze(-1)
-
-
 def add_rmsnorm_reference(
     reduced: torch.Tensor,
     residual: torch.Tensor | None,
@@ -86,7 +69,7 @@ def add_rmsnorm_reference(
     """The block end of an already all-reduced ``reduced`` [T, H], in fp32.
 
     Returns ``(y, h, scales)``: ``h`` in ``out_dtype`` (default ``reduced.dtype``), ``y`` in that dtype
-    or the device's fp8 (``targets.fp8_format``: float8_e4m3fn, float8_e4m3fnuz on gfx942) when the
+    or the device's fp8 (``tpfuse.targets.fp8_format``: float8_e4m3fn, float8_e4m3fnuz on gfx942) when the
     block end quantises (dynamic fp8: then ``scales``, else None). ``y`` is computed from the rounded
     ``h`` it returns, as every kernel computes it (docs/determinism.md). The row reductions are
     torch's, so the bits can differ from the kernels' in the last place: the batch-invariant

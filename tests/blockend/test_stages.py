@@ -1,4 +1,4 @@
-"""The block end as typed stages (``kernels.stages``): the stages own every keyword once, every keyword two
+"""The block end as typed stages (``blockend.stages``): the stages own every keyword once, every keyword two
 ranks could disagree on reaches the call descriptor through its stage, a combination that is no block end
 cannot be built, and the block end's views are the stages' own."""
 
@@ -7,17 +7,10 @@ import dataclasses
 import pytest
 import torch
 
+from tpfuse.blockend import epilogue, outputs, stages
+from tpfuse.blockend.bits import FP4_MXFP4, FP4_NVFP4, SCALES_COLUMNS, SCALES_SHUFFLED
+from tpfuse.blockend.epilogue import PLAIN, Epilogue, Switches
 from tpfuse.compiler.matchers import STAGE_MATCHERS
-from tpfuse.kernels import outputs, stages
-from tpfuse.kernels.block_end import (
-    FP4_MXFP4,
-    FP4_NVFP4,
-    PLAIN,
-    SCALES_COLUMNS,
-    SCALES_SHUFFLED,
-    Epilogue,
-    Switches,
-)
 
 HIDDEN = 256
 ONE = torch.ones(1)
@@ -102,7 +95,7 @@ def test_the_views_are_the_stages_own():
 
 def test_the_plain_block_ends_switches_are_every_stage_off():
     assert PLAIN.stages == (None, None, None, stages.RMSNORM, outputs.UNQUANTISED, None)
-    assert PLAIN.switches(HIDDEN)._asdict() == {**stages.OFF_SWITCHES, **stages.Norm.off,
+    assert PLAIN.switches(HIDDEN)._asdict() == {**epilogue.OFF_SWITCHES, **stages.Norm.off,
                                                 **outputs.UNQUANTISED.switches(HIDDEN)}
 
 

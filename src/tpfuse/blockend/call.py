@@ -11,15 +11,15 @@ from typing import NamedTuple
 
 import torch
 
-from tpfuse.kernels import formats, layout
-from tpfuse.kernels.block_end import PLAIN, Epilogue, StepTensors
+from tpfuse.blockend import bits, outputs
+from tpfuse.blockend.epilogue import PLAIN, Epilogue, StepTensors
 
 _STEPS = len(StepTensors._fields)
 
 
 class CallDescription(NamedTuple):
-    """What a call is, as every rank must make it: its rows, hidden size and flags word (``layout.FLAG_*``:
-    dtype, residual, the block end's steps). The kernels' descriptor carries it (``layout.describe_call``,
+    """What a call is, as every rank must make it: its rows, hidden size and flags word (``bits.FLAG_*``:
+    dtype, residual, the block end's steps). The kernels' descriptor carries it (``bits.describe_call``,
     with the algorithm's bits), and the host compares it where no kernel does (``comm.agreement``)."""
 
     tokens: int
@@ -53,7 +53,7 @@ class FusedCall(NamedTuple):
         The block end's optional steps (bias, post-norm, LayerNorm, static or dynamic fp8).
     scales : Tensor or None
         Where a dynamic fp8 or fp4 call writes its scales, in their format and layout
-        (``kernels.formats.empty_scales``).
+        (``Output.empty_scales``).
     normed : Tensor [T, H] or None
         Where a quantising call with ``epilogue.normed_copy`` writes the norm's output in x's dtype.
     """
@@ -79,7 +79,7 @@ class FusedCall(NamedTuple):
     def describe(self) -> CallDescription:
         """The call as every rank must make it (:class:`CallDescription`)."""
         return CallDescription(self.n_tokens, self.hidden,
-                               layout.call_flags(self.x.dtype, self.residual is not None)
+                               bits.call_flags(self.x.dtype, self.residual is not None)
                                | self.epilogue.flags(self.hidden))
 
     def outputs(self) -> tuple[torch.Tensor, ...]:
@@ -88,13 +88,14 @@ class FusedCall(NamedTuple):
 
     def rows(self, start: int, stop: int) -> FusedCall:
         """The same call restricted to rows ``start:stop`` (rows are independent). Scales whose layout
-        does not slice by rows (``formats.scales_by_rows``) go to a new tensor of the part's own layout:
-        ``formats.place_scale_rows`` puts them back."""
+        does not slice by rows (``Output.scales_by_rows``) go to a new tensor of the part's own layout:
+        ``Output.place_scale_rows`` puts them back."""
         part = slice(start, stop)
         scales = self.scales
         if scales is not None:
-            scales = (scales[part] if formats.scales_by_rows(self.epilogue)
-                      else formats.empty_scales(self.epilogue, stop - start, self.hidden, scales.device))
+            output = self.epilogue.output
+            scales = (scales[part] if output.scales_by_rows
+                      else output.empty_scales(stop - start, self.hidden, scales.device))
         return self._replace(x=self.x[part], residual=None if self.residual is None else self.residual[part],
                              y=self.y[part], h=self.h[part], epilogue=self.epilogue.rows(part), scales=scales,
                              normed=None if self.normed is None else self.normed[part])
@@ -132,3 +133,33 @@ class FusedCall(NamedTuple):
         x = self.x
         return (x.shape[-1], x.dtype, self.y.dtype, self.weight.dtype, self.residual is not None,
                 self.epilogue.signature)
+
+
+def explain_flags(flags: int) -> str:
+    """A flags word as words: ``bfloat16, residual, MoE finalize, 3 experts a token, topk_weights``."""
+    dtype = "bfloat16" if flags & bits.FLAG_BF16 else "float16" if flags & bits.FLAG_FP16 else "float32" \
+        if flags & bits.FLAG_FP32 else "?"
+    return ", ".join([dtype, "residual" if flags & bits.FLAG_RESIDUAL else "no residual"]
+                     + [word if isinstance(word, str) else word(flags) for mask, word in bits.EXPLAINED_FLAGS
+                        if flags & mask]
+                     + outputs.explain_code(flags))
+
+
+def explain_descriptor(words: list[int], other: list[int] | None = None) -> str:
+    """A descriptor as a reader wants it: ``5 x 512 bfloat16 oneshot, residual``; the call's number and
+    the workspace's region are added where they differ from ``other``'s."""
+    def tokens(w):
+        return w[0] | w[1] << 15
+
+    def region(w):
+        return w[5] | w[6] << 15 | (w[7] & 1) << 30
+
+    flags = words[3] | (words[7] >> 1) << 15
+    dtype, *steps = explain_flags(flags).split(", ")
+    parts = [f"{tokens(words)} x {words[2]} {dtype} {'twoshot' if flags & bits.FLAG_TWOSHOT else 'oneshot'}",
+             *steps]
+    if other is not None and other[4] != words[4]:
+        parts.append(f"its call #{words[4] + 1} (mod 32768)")
+    if other is not None and region(other) != region(words):
+        parts.append(f"a workspace region of {region(words)} words")
+    return ", ".join(parts)

@@ -1,21 +1,21 @@
-"""The output formats as a closed set (``kernels.outputs``) and what each block-end step changes: every
+"""The output formats as a closed set (``blockend.outputs``) and what each block-end step changes: every
 step and every format differs from the plain block end, and from each other, in the descriptor's flags
 (what ranks compare), the kernel signature and the kernels' switches."""
 
 import pytest
 import torch
 
-from tpfuse.kernels import layout, outputs
-from tpfuse.kernels.block_end import (
+from tpfuse.blockend import outputs
+from tpfuse.blockend.bits import (
     FP4_MXFP4,
     FP4_NVFP4,
-    PLAIN,
     SCALES_COLUMNS,
     SCALES_PACKED_UE8M0,
     SCALES_ROWS,
     SCALES_SHUFFLED,
-    Epilogue,
 )
+from tpfuse.blockend.call import explain_flags
+from tpfuse.blockend.epilogue import PLAIN, Epilogue
 
 HIDDEN = 512
 ONE = torch.ones(1)
@@ -70,7 +70,7 @@ def test_every_step_and_format_differs_from_every_other_in_the_descriptor():
     dynamic fp8's group size included; the words name it."""
     flags = {name: Epilogue(**keywords).flags(HIDDEN) for name, keywords in STEPS.items()}
     assert len(set(flags.values())) == len(flags), flags
-    words = {name: layout.explain_flags(f) for name, f in flags.items()}
+    words = {name: explain_flags(f) for name, f in flags.items()}
     assert len(set(words.values())) == len(words), words
     assert "fp8 output scaled per group of 64" in words["fp8 a group of 64"], words
     assert "fp8 output scaled per token" in words["fp8 a token"], words
@@ -123,7 +123,6 @@ def test_a_dynamic_group_is_the_row_or_a_power_of_two_that_divides_it(group, hid
 def test_each_formats_scales_read_back_from_its_layout(name):
     """``in_layout`` then ``scales_as_float`` is the identity on scales the format can hold, through the
     format's own buffers, for a token count that pads."""
-    from tpfuse.kernels import formats
 
     epilogue = Epilogue(**FORMATS[name])
     output, tokens = epilogue.output, 5
@@ -141,7 +140,7 @@ def test_each_formats_scales_read_back_from_its_layout(name):
         values = (exponents + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
     placed = output.in_layout(values)
     assert placed.shape == output.empty_scales(tokens, HIDDEN, "cpu").shape
-    back = formats.scales_as_float(epilogue, placed, tokens, HIDDEN)
+    back = epilogue.output.scales_as_float(placed, tokens, HIDDEN)
     assert torch.equal(back, torch.exp2(exponents)), name
 
 

@@ -1,38 +1,37 @@
 """The block end as typed stages: each step a value that owns, in one place, what the step means.
 
-A block end (``block_end.Epilogue``, the op's flat keywords: the op schema stays flat) is made of these
-stages, in the order the kernels apply them::
+A block end (``blockend.epilogue.Epilogue``, the op's flat keywords: the op schema stays flat) is made of
+these stages, in the order the kernels apply them::
 
     Finalize(experts, topk_weights, shared_expert)   a MoE block's finalize of this rank's part, or none
     Bias(bias)                                       + bias after the sum, or none
     PostNorm(sum_weight)                             rmsnorm(s) * sum_weight before the residual add, or none
     RmsNorm() | LayerNorm(norm_bias) | NoNorm()      y from the rounded h; NoNorm: the call ends at h
-    Output (kernels.outputs)                         y unquantised, fp8 (static, dynamic), NVFP4, MXFP4
+    Output (blockend.outputs)                        y unquantised, fp8 (static, dynamic), NVFP4, MXFP4
     NormedCopy()                                     the norm's output beside a quantised y, or none
 
 Each stage owns its keywords (the ``Epilogue`` fields it reads: together the stages own every field once,
-as tests/kernels/test_stages.py checks), the checks of its tensors against the call, its descriptor bits
+as tests/blockend/test_stages.py checks), the checks of its tensors against the call, its descriptor bits
 (``flags``: what ranks compare, so every field two ranks could disagree on is there), its kernel switches
 (``switches``: the kernels' ``STEPS``), what decides a compiled kernel (``signature``) and its torch
-reference step. :func:`of` makes the stages of a block end and refuses a combination that is none; the
-block end's views (``Epilogue.flags``, ``signature``, ``switches``, ``plain``) are loops over them. The
-compiler's graph matcher of each stage is named in ``compiler.matchers.STAGE_MATCHERS``. Adding a step is
-a stage class here, its field in ``Epilogue``, its Triton code in ``kernels/epilogue.py`` and its matcher
-(docs/architecture.md). This module needs no Triton.
+reference step. ``blockend.epilogue.stages_of`` makes the stages of a block end and refuses a combination
+that is none; the block end's views (``Epilogue.flags``, ``signature``, ``switches``, ``plain``) are loops
+over them. The compiler's graph matcher of each stage is named in ``compiler.matchers.STAGE_MATCHERS``.
+Adding a step is a stage class here, its field in ``Epilogue``, its Triton code in ``kernels/epilogue.py``
+and its matcher (docs/architecture.md). This module imports only ``blockend.bits``.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 
-from tpfuse.kernels import layout
+from tpfuse.blockend import bits
 
-__all__ = ["Bias", "Finalize", "LayerNorm", "NoNorm", "NormedCopy", "PostNorm", "RmsNorm", "Stage", "Stages",
-           "check_like_rows", "check_row", "of"]
+__all__ = ["Bias", "Finalize", "LayerNorm", "NoNorm", "NormedCopy", "PostNorm", "RmsNorm", "Stage",
+           "check_like_rows", "check_row"]
 
 
 def _dtype(t: torch.Tensor | None) -> torch.dtype | None:
@@ -101,11 +100,11 @@ class Stage:
     per_row: ClassVar[tuple[str, ...]] = ()
 
     def flags(self, hidden: int) -> int:
-        """This stage's descriptor bits (``layout.FLAG_*``)."""
+        """This stage's descriptor bits (``bits.FLAG_*``)."""
         return 0
 
     def switches(self, hidden: int) -> dict:
-        """This stage's part of the kernels' ``STEPS`` (``block_end.Switches``)."""
+        """This stage's part of the kernels' ``STEPS`` (``epilogue.Switches``)."""
         return {}
 
     @property
@@ -133,10 +132,10 @@ class Finalize(Stage):
     off: ClassVar[dict] = dict(EXPERTS=0, TOPK_WEIGHTS=False, SHARED_EXPERT=False)
 
     def flags(self, hidden):
-        return (layout.FLAG_MOE_FINALIZE
-                | (layout.FLAG_TOPK_WEIGHTS if self.topk_weights is not None else 0)
-                | (layout.FLAG_SHARED_EXPERT if self.shared_expert is not None else 0)
-                | self.experts << layout.EXPERTS_SHIFT)
+        return (bits.FLAG_MOE_FINALIZE
+                | (bits.FLAG_TOPK_WEIGHTS if self.topk_weights is not None else 0)
+                | (bits.FLAG_SHARED_EXPERT if self.shared_expert is not None else 0)
+                | self.experts << bits.EXPERTS_SHIFT)
 
     def switches(self, hidden):
         return dict(EXPERTS=self.experts, TOPK_WEIGHTS=self.topk_weights is not None,
@@ -192,8 +191,8 @@ def check_experts(x: torch.Tensor, experts: int) -> None:
     if experts != x.shape[1]:
         raise ValueError(f"x has shape {tuple(x.shape)}, the outputs of {x.shape[1]} experts a token: pass "
                          f"experts={x.shape[1]} (got {experts})")
-    if x.shape[1] > layout.MAX_EXPERTS:  # K travels in the call descriptor, which ranks compare
-        raise ValueError(f"x has shape {tuple(x.shape)}: a MoE finalize takes at most {layout.MAX_EXPERTS} "
+    if x.shape[1] > bits.MAX_EXPERTS:  # K travels in the call descriptor, which ranks compare
+        raise ValueError(f"x has shape {tuple(x.shape)}: a MoE finalize takes at most {bits.MAX_EXPERTS} "
                          "experts a token")
 
 
@@ -232,7 +231,7 @@ class Bias(_RowStage):
     bias: torch.Tensor
 
     keywords: ClassVar[tuple] = ("bias",)
-    flag: ClassVar[int] = layout.FLAG_BIAS
+    flag: ClassVar[int] = bits.FLAG_BIAS
     switch: ClassVar[str] = "HAS_BIAS"
 
     def reference(self, s: torch.Tensor, eps: float) -> torch.Tensor:
@@ -247,7 +246,7 @@ class PostNorm(_RowStage):
     sum_weight: torch.Tensor
 
     keywords: ClassVar[tuple] = ("sum_weight",)
-    flag: ClassVar[int] = layout.FLAG_SUM_NORM
+    flag: ClassVar[int] = bits.FLAG_SUM_NORM
     switch: ClassVar[str] = "SUM_NORM"
 
     def reference(self, s: torch.Tensor, eps: float) -> torch.Tensor:
@@ -285,7 +284,7 @@ class LayerNorm(Norm):
     norm_bias: torch.Tensor | None = None
 
     def flags(self, hidden):
-        return layout.FLAG_LAYER_NORM | (layout.FLAG_NORM_BIAS if self.norm_bias is not None else 0)
+        return bits.FLAG_LAYER_NORM | (bits.FLAG_NORM_BIAS if self.norm_bias is not None else 0)
 
     def switches(self, hidden):
         return dict(NORMED=True, LAYER_NORM=True, HAS_NORM_BIAS=self.norm_bias is not None)
@@ -310,7 +309,7 @@ class NoNorm(Norm):
     normed: ClassVar[bool] = False
 
     def flags(self, hidden):
-        return layout.FLAG_NO_NORM
+        return bits.FLAG_NO_NORM
 
     def switches(self, hidden):
         return dict(NORMED=False, LAYER_NORM=False, HAS_NORM_BIAS=False)
@@ -325,67 +324,10 @@ class NormedCopy(Stage):
     off: ClassVar[dict] = dict(NORMED_COPY=False)
 
     def flags(self, hidden):
-        return layout.FLAG_NORMED_COPY
+        return bits.FLAG_NORMED_COPY
 
     def switches(self, hidden):
         return dict(NORMED_COPY=True)
 
 
 RMSNORM, NO_NORM, NORMED_COPY = RmsNorm(), NoNorm(), NormedCopy()
-
-
-class Stages(NamedTuple):
-    """A block end's stages, in the kernels' order; an absent optional stage is None."""
-
-    finalize: Finalize | None
-    bias: Bias | None
-    post_norm: PostNorm | None
-    norm: Norm
-    output: object  # kernels.outputs.Output
-    normed_copy: NormedCopy | None
-
-
-@functools.cache
-def _outputs():
-    from tpfuse.kernels import outputs  # builds on block_end, which builds on this module
-
-    return outputs
-
-
-def of(epilogue) -> Stages:
-    """The stages of a block end's flat keywords; ValueError naming a combination that is no block end."""
-    finalize = None
-    if epilogue.experts or epilogue.topk_weights is not None or epilogue.shared_expert is not None:
-        experts = epilogue.experts
-        if isinstance(experts, bool) or not isinstance(experts, int) or experts < 0:
-            raise ValueError(f"experts must be an int >= 0 (K of x [T, K, H]), got {experts!r}")
-        if experts > layout.MAX_EXPERTS:  # K travels in the call descriptor, which ranks compare
-            raise ValueError(f"a MoE finalize takes at most {layout.MAX_EXPERTS} experts a token, "
-                             f"got {experts}")
-        if epilogue.topk_weights is not None and not experts:
-            raise ValueError("topk_weights weight the experts' outputs: x must be [tokens, K, hidden] "
-                             "(experts=K)")
-        finalize = Finalize(experts, epilogue.topk_weights, epilogue.shared_expert)
-    if epilogue.norm_bias is not None and not epilogue.layer_norm:
-        raise ValueError("norm_bias is LayerNorm's bias: pass layer_norm=True with it")
-    output = _outputs().of(epilogue)
-    if not epilogue.normed:
-        if epilogue.layer_norm:
-            raise ValueError("layer_norm with normed=False: a call without a norm has no LayerNorm")
-        if output.quantised:
-            raise ValueError("normed=False ends the call at h: there is no y to quantise")
-        norm = NO_NORM
-    else:
-        norm = LayerNorm(epilogue.norm_bias) if epilogue.layer_norm else RMSNORM
-    if epilogue.normed_copy and not output.quantised:
-        raise ValueError("normed_copy writes the norm's output beside a quantised one: "
-                         "y is not quantised here")
-    return Stages(finalize,
-                  None if epilogue.bias is None else Bias(epilogue.bias),
-                  None if epilogue.sum_weight is None else PostNorm(epilogue.sum_weight),
-                  norm, output, NORMED_COPY if epilogue.normed_copy else None)
-
-
-#: The kernels' switches of a block end with none of the optional stages (the norm's and the output's
-#: come from their stage, always there).
-OFF_SWITCHES = {**Finalize.off, **Bias.off, **PostNorm.off, **NormedCopy.off}

@@ -1,7 +1,8 @@
-"""The quantised outputs the next GEMM takes, in torch: their codes, their scales and where the scales go.
+"""The codes of the quantised outputs the next GEMM takes, in torch: values to codes and back, and the
+orders their scales are placed in.
 
-The kernels' reference (``kernels.reference``) and the tests' decoders; the ops allocate outputs here
-(``empty_scales``). The formats (``kernels/epilogue.py`` computes the same in Triton):
+The output formats (``blockend.outputs``) quantise with these, the reference (``blockend.reference``)
+and the tests decode with them; ``kernels/epilogue.py`` computes the same in Triton. The codes:
 
 - UE8M0 scales: powers of two, each an exponent byte (``2**(e - 127)``), packed four to an int32
   (group ``4j + k`` in byte ``k`` of word ``j``), column-major with the tokens padded to 4:
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from tpfuse.kernels.block_end import FP4_GROUP, FP4_MXFP4, FP4_NVFP4, SCALES_ROWS, SCALES_SHUFFLED, Epilogue
+from tpfuse.blockend.bits import FP4_GROUP, FP4_MXFP4, FP4_NVFP4
+from tpfuse.targets import Fp8Format, fp8_format
 
 #: The e2m1 values by code (bit 3 the sign).
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0,
@@ -28,52 +30,6 @@ E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, 
 # |v| above each: one code more (ties to the even code: 0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, ...).
 _E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
                (3.5, True), (5.0, False))
-
-
-def scale_groups(epilogue: Epilogue, hidden: int) -> int:
-    """Scales a row: fp4's groups, dynamic fp8's (1 for one a token), or 0 (no scales)."""
-    return epilogue.output.scale_groups(hidden)
-
-
-def empty_scales(epilogue: Epilogue, n_tokens: int, hidden: int, device) -> torch.Tensor | None:
-    """Where a call of ``n_tokens`` rows writes its scales, in their format and layout (None: no
-    scales). Layouts with padding come zeroed (the kernels write only the real rows and groups)."""
-    return epilogue.output.empty_scales(n_tokens, hidden, device)
-
-
-def scales_by_rows(epilogue: Epilogue) -> bool:
-    """Whether rows ``a:b`` of a call's scales are rows ``0:b-a`` of the same layout (a part of a call
-    can write into a slice of them)."""
-    return epilogue.output.scales_by_rows
-
-
-def place_scale_rows(epilogue: Epilogue, scales: torch.Tensor, start: int,
-                     part: torch.Tensor, rows: int) -> None:
-    """Put ``part`` (the scales of a call of ``rows`` rows, in their layout) at rows ``start:start + rows``
-    of ``scales`` (a larger call's)."""
-    tiled = epilogue.output.tiled
-    if tiled is None:
-        scales[start:start + rows].copy_(part[:rows])
-        return
-    place, by_rows = tiled
-    whole = by_rows(scales, *scales.shape)
-    whole[start:start + rows] = by_rows(part, *part.shape)[:rows]
-    scales.copy_(place(whole))
-
-
-def scales_as_float(epilogue: Epilogue, scales: torch.Tensor, n_tokens: int, hidden: int) -> torch.Tensor:
-    """A call's scales, whatever their format and layout, as float32 ``[T, groups]``."""
-    output = epilogue.output
-    groups = output.scale_groups(hidden)
-    if output.tiled is not None:
-        scales = output.tiled[1](scales, *scales.shape)[:n_tokens, :groups]
-    return output.scale_values(scales, n_tokens, groups)
-
-
-def in_layout(epilogue: Epilogue, scales: torch.Tensor) -> torch.Tensor:
-    """Scales ``[T, groups]`` by row (dynamic fp8's float32, powers of two for the packed layout; fp4's
-    in their format) in the call's layout."""
-    return epilogue.output.in_layout(scales)
 
 
 # --- codes ------------------------------------------------------------------------------------------
@@ -154,36 +110,45 @@ def unshuffle_e8m0_scales(shuffled: torch.Tensor, m: int, g: int) -> torch.Tenso
 
 # --- quantising a row ------------------------------------------------------------------------------
 
-def nvfp4(y: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``y`` [T, H] as NVFP4: (codes [T, H / 2] uint8, swizzled e4m3 scales), in the kernels'
-    operations and order."""
-    from tpfuse.kernels import outputs  # the formats' classes build on these codecs
+def dynamic_fp8(y: torch.Tensor, group: int, fmt: Fp8Format | None = None,
+                pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``y`` [..., H] as fp8 of ``fmt`` (default: ``y``'s device's, ``targets.fp8_format``) with one scale
+    per ``group`` elements of a row (a group of H: one scale a token), and the scales [..., H // group]
+    (float32): ``scale = max(amax / fp8_max, fmt.min_dynamic_scale)``, ``q = clamp(y / scale, -fp8_max,
+    fp8_max)`` with fp8_max 448 (e4m3fn) or 240 (e4m3fnuz); ``pow2``: each scale rounded up to a power of
+    two (UE8M0). Also the form the compiler's dynamic fp8 pattern finds in a model
+    (``compiler.matchers``)."""
+    fmt = fmt or fp8_format(y.device)
+    groups = y.float().unflatten(-1, (-1, group))
+    scales = (groups.abs().amax(-1, keepdim=True) / fmt.max).clamp(min=fmt.min_dynamic_scale)
+    if pow2:
+        scales = pow2_at_least(scales)
+    q = (groups / scales).clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    return q.flatten(-2), scales.squeeze(-1)
 
+
+def nvfp4(y: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``y`` [T, H] as NVFP4, in the kernels' operations and order: (codes [T, H / 2] uint8, e4m3
+    scales [T, H / 16] by row; ``outputs.NvFp4`` places them in their tiles)."""
     groups = y.float().unflatten(-1, (-1, FP4_GROUP[FP4_NVFP4]))
     g = global_scale.float()
     scales = (groups.abs().amax(-1) / 6.0 * g).clamp(max=448.0).to(torch.float8_e4m3fn)
     decoded = scales.float()
     factor = torch.where(decoded > 0, g / decoded, torch.zeros_like(decoded))
-    codes = pack_e2m1(e2m1_codes((groups * factor.unsqueeze(-1)).flatten(-2)))
-    return codes, outputs.NvFp4().in_layout(scales)
+    return pack_e2m1(e2m1_codes((groups * factor.unsqueeze(-1)).flatten(-2))), scales
 
 
-def mxfp4(y: torch.Tensor, scale_layout: int = SCALES_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``y`` [T, H] as MXFP4: (codes [T, H / 2] uint8, e8m0 scales [T, H / 32], or with
-    ``SCALES_SHUFFLED`` padded to [T rounded up to 256, H / 32 rounded up to 8] and shuffled)."""
-    from tpfuse.kernels import outputs  # the formats' classes build on these codecs
-
+def mxfp4(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``y`` [T, H] as MXFP4: (codes [T, H / 2] uint8, e8m0 scales [T, H / 32] by row;
+    ``outputs.MxFp4`` places them, shuffled or not)."""
     groups = y.float().unflatten(-1, (-1, FP4_GROUP[FP4_MXFP4]))
     amax_exponent = (groups.abs().amax(-1).view(torch.int32) >> 23) & 0xFF
     exponent = (amax_exponent - 2).clamp(min=0)
     factor = ((254 - exponent) << 23).view(torch.float32)
     codes = pack_e2m1(e2m1_codes((groups * factor.unsqueeze(-1)).flatten(-2)))
-    scales = exponent.to(torch.uint8).view(torch.float8_e8m0fnu)
-    return codes, outputs.MxFp4(shuffled=scale_layout == SCALES_SHUFFLED).in_layout(scales)
+    return codes, exponent.to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
-__all__ = ["E2M1_VALUES", "e2m1_codes", "e2m1_values", "e8m0_values", "empty_scales", "in_layout", "mxfp4",
-           "nvfp4", "pack_e2m1", "place_scale_rows", "pow2_at_least", "scale_groups", "scales_as_float",
-           "scales_by_rows", "shuffle_e8m0_scales", "swizzle_block_scales",
-           "ue8m0_bytes", "unshuffle_e8m0_scales",
-           "unswizzle_block_scales"]
+__all__ = ["E2M1_VALUES", "dynamic_fp8", "e2m1_codes", "e2m1_values", "e8m0_values", "mxfp4", "nvfp4",
+           "pack_e2m1", "pow2_at_least", "shuffle_e8m0_scales", "swizzle_block_scales", "ue8m0_bytes",
+           "unshuffle_e8m0_scales", "unswizzle_block_scales"]

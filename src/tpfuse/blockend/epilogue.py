@@ -18,21 +18,21 @@ For each row, in fp32, with every step but the sum optional::
       | e2m1(y / s_g), s_g = 2**(floor(log2(amax_32)) - 2)        # MXFP4 (s_g an e8m0 exponent)
     normed = y before quantisation, in x's dtype    # optional: the norm's output beside its quantised one
 
-fp8 is the device's (``targets.fp8_format``): float8_e4m3fn, or float8_e4m3fnuz on gfx942 (MI300), where
-240 takes 448's place; the kernels take their compile target's (``vendor.fp8_max``).
+fp8 is the device's (``tpfuse.targets.fp8_format``): float8_e4m3fn, or float8_e4m3fnuz on gfx942
+(MI300), where 240 takes 448's place; the kernels take their compile target's (``vendor.fp8_max``).
 
 Dynamic scales go where the next GEMM reads them (``scale_layout``): rows ``[T, G]`` float32;
 columns (float32 ``[T, G]`` stored column-major, T padded to 4: DeepGEMM's fp8 GEMMs on Hopper); or
 UE8M0 exponents packed four to an int32, column-major, T padded to 4 (DeepGEMM on Blackwell). fp4 ``y``
 is two e2m1 codes a byte (the even column in the low nibble), ``[T, H / 2]`` uint8; NVFP4's e4m3 scales
-are in the 128 x 4 tiles Blackwell's FP4 GEMMs read (``formats.swizzle_block_scales``), MXFP4's e8m0
+are in the 128 x 4 tiles Blackwell's FP4 GEMMs read (``codecs.swizzle_block_scales``), MXFP4's e8m0
 scales row-major ``[T, H / 32]``, or (``SCALES_SHUFFLED``) in the order AITER's MXFP4 GEMMs read them
-(``formats.shuffle_e8m0_scales``, AITER's ``e8m0_shuffle``). Every GPU converts to e2m1 and e8m0 here
+(``codecs.shuffle_e8m0_scales``, AITER's ``e8m0_shuffle``). Every GPU converts to e2m1 and e8m0 here
 in integer arithmetic (the same code the CPU interpreter runs); Blackwell
 (``cvt.rn.satfinite.e2m1x2.f32``) and gfx950 have conversions of their own, which these kernels do not
 use.
 
-:class:`Epilogue` carries the optional steps; ``kernels.reference`` is the same in torch, and the
+:class:`Epilogue` carries the optional steps; ``blockend.reference`` is the same in torch, and the
 descriptor flags (``flags``) make every rank's kernel refuse a peer whose call does something else.
 The kernels take a block end as two values, its tensors (``steps``: :data:`StepTensors`) and its
 compile-time switches (``STEPS``: :class:`Switches`), and hand them on to the Triton functions of
@@ -50,20 +50,19 @@ from typing import NamedTuple
 
 import torch
 
-from tpfuse.kernels import stages as stages_
-
-# How a call quantises y: the kernels' QUANT constexpr.
-QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC, QUANT_NVFP4, QUANT_MXFP4 = 0, 1, 2, 3, 4
-#: Where dynamic fp8 scales go (``Epilogue.scale_layout``), and MXFP4's (rows or shuffled): see the
-#: module's docstring.
-SCALES_ROWS, SCALES_COLUMNS, SCALES_PACKED_UE8M0, SCALES_SHUFFLED = 0, 1, 2, 3
-#: fp4 outputs (``Epilogue.fp4``) and their elements a scale.
-FP4_NONE, FP4_NVFP4, FP4_MXFP4 = 0, 1, 2
-FP4_GROUP = {FP4_NVFP4: 16, FP4_MXFP4: 32}
-
-
-#: The plain block end (made below, once :class:`Epilogue` exists).
-PLAIN: Epilogue | None = None
+from tpfuse.blockend import outputs
+from tpfuse.blockend.bits import FP4_NONE, MAX_EXPERTS, QUANT_NONE, QUANT_STATIC, SCALES_ROWS
+from tpfuse.blockend.stages import (
+    NO_NORM,
+    NORMED_COPY,
+    RMSNORM,
+    Bias,
+    Finalize,
+    LayerNorm,
+    Norm,
+    NormedCopy,
+    PostNorm,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,9 +134,7 @@ class Epilogue:
 
     def __post_init__(self):
         # The stages are made (and checked) here, once: a combination that is no block end cannot be built.
-        # PLAIN itself is made while this module loads, before kernels.outputs can be imported.
-        if PLAIN is not None:
-            self.stages  # noqa: B018
+        self.stages  # noqa: B018
 
     @classmethod
     def of(cls, steps: dict) -> Epilogue:
@@ -151,24 +148,25 @@ class Epilogue:
 
     def kwargs(self) -> dict:
         """The steps that differ from their defaults, as the ops' keyword arguments."""
-        return {name: value for name, default in _DEFAULTS if not _is_default(value := getattr(self, name), default)}
+        return {name: value for name, default in _DEFAULTS
+                if not _is_default(value := getattr(self, name), default)}
 
     @functools.cached_property
-    def stages(self) -> stages_.Stages:
-        """The block end as typed stages (``kernels.stages``), in the kernels' order; ValueError where the
+    def stages(self) -> Stages:
+        """The block end as typed stages (``blockend.stages``), in the kernels' order; ValueError where the
         keywords combine into no block end."""
-        return stages_.of(self)
+        return stages_of(self)
 
     @property
     def output(self):
-        """y's format (``kernels.outputs``: one of a closed set)."""
+        """y's format (``blockend.outputs``: one of a closed set)."""
         return self.stages.output
 
     @property
     def plain(self) -> bool:
         """Nothing beyond the residual add, RMSNorm and a static scale (what every backend runs)."""
         finalize, bias, post_norm, norm, output, normed_copy = self.stages
-        return (finalize is None and bias is None and post_norm is None and norm is stages_.RMSNORM
+        return (finalize is None and bias is None and post_norm is None and norm is RMSNORM
                 and output.quant in (QUANT_NONE, QUANT_STATIC) and normed_copy is None)
 
     @property
@@ -194,7 +192,7 @@ class Epilogue:
         return dataclasses.replace(self, **cut) if cut else self
 
     def flags(self, hidden: int) -> int:
-        """The descriptor bits (``layout.FLAG_*``) that tell this block end from others: each stage's."""
+        """The descriptor bits (``bits.FLAG_*``) that tell this block end from others: each stage's."""
         return self._views(hidden)[0]
 
     def switches(self, hidden: int) -> Switches:
@@ -209,7 +207,7 @@ class Epilogue:
         key = (self.signature, hidden)
         views = _VIEWS.get(key)
         if views is None:
-            flags, switches = 0, dict(stages_.OFF_SWITCHES)
+            flags, switches = 0, dict(OFF_SWITCHES)
             for stage in self.stages:
                 if stage is not None:
                     flags |= stage.flags(hidden)
@@ -240,6 +238,56 @@ class Epilogue:
                            stand_in if scales is None else scales, stand_in if normed is None else normed)
 
 
+class Stages(NamedTuple):
+    """A block end's stages, in the kernels' order; an absent optional stage is None."""
+
+    finalize: Finalize | None
+    bias: Bias | None
+    post_norm: PostNorm | None
+    norm: Norm
+    output: outputs.Output
+    normed_copy: NormedCopy | None
+
+
+def stages_of(epilogue: Epilogue) -> Stages:
+    """The stages of a block end's flat keywords; ValueError naming a combination that is no block end."""
+    finalize = None
+    if epilogue.experts or epilogue.topk_weights is not None or epilogue.shared_expert is not None:
+        experts = epilogue.experts
+        if isinstance(experts, bool) or not isinstance(experts, int) or experts < 0:
+            raise ValueError(f"experts must be an int >= 0 (K of x [T, K, H]), got {experts!r}")
+        if experts > MAX_EXPERTS:  # K travels in the call descriptor, which ranks compare
+            raise ValueError(f"a MoE finalize takes at most {MAX_EXPERTS} experts a token, "
+                             f"got {experts}")
+        if epilogue.topk_weights is not None and not experts:
+            raise ValueError("topk_weights weight the experts' outputs: x must be [tokens, K, hidden] "
+                             "(experts=K)")
+        finalize = Finalize(experts, epilogue.topk_weights, epilogue.shared_expert)
+    if epilogue.norm_bias is not None and not epilogue.layer_norm:
+        raise ValueError("norm_bias is LayerNorm's bias: pass layer_norm=True with it")
+    output = outputs.of(epilogue)
+    if not epilogue.normed:
+        if epilogue.layer_norm:
+            raise ValueError("layer_norm with normed=False: a call without a norm has no LayerNorm")
+        if output.quantised:
+            raise ValueError("normed=False ends the call at h: there is no y to quantise")
+        norm = NO_NORM
+    else:
+        norm = LayerNorm(epilogue.norm_bias) if epilogue.layer_norm else RMSNORM
+    if epilogue.normed_copy and not output.quantised:
+        raise ValueError("normed_copy writes the norm's output beside a quantised one: "
+                         "y is not quantised here")
+    return Stages(finalize,
+                  None if epilogue.bias is None else Bias(epilogue.bias),
+                  None if epilogue.sum_weight is None else PostNorm(epilogue.sum_weight),
+                  norm, output, NORMED_COPY if epilogue.normed_copy else None)
+
+
+#: The kernels' switches of a block end with none of the optional stages (the norm's and the output's
+#: come from their stage, always there).
+OFF_SWITCHES = {**Finalize.off, **Bias.off, **PostNorm.off, **NormedCopy.off}
+
+
 class Switches(NamedTuple):
     """The kernels' compile-time ``STEPS`` argument: which of the block end's steps they compile in."""
 
@@ -252,7 +300,7 @@ class Switches(NamedTuple):
     TOPK_WEIGHTS: bool  # the finalize weights the experts' outputs
     SHARED_EXPERT: bool  # a shared expert's output is added to this rank's part
     NORMED_COPY: bool  # the norm's output also stored in x's dtype (steps.normed)
-    # y's format, from ``kernels.outputs``:
+    # y's format, from ``blockend.outputs``:
     QUANT: int  # QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC, QUANT_NVFP4 or QUANT_MXFP4
     SCALE_GROUP: int  # dynamic fp8: elements a scale, or 0 for one scale a token
     POW2_SCALES: bool  # dynamic fp8 scales rounded up to powers of two
