@@ -15,6 +15,8 @@ from torch import nn
 
 from tpfuse.blockend.bits import FP4_MXFP4, FP4_NVFP4, SCALES_ROWS, SCALES_SHUFFLED
 from tpfuse.blockend.codecs import dynamic_fp8
+from tpfuse.blockend.outputs import DynamicFp8, Fp4, StaticFp8, Unquantised
+from tpfuse.blockend.stages import LayerNorm, RmsNorm
 from tpfuse.compiler import PATTERNS, FusionPass
 from tpfuse.compiler.patterns import combinations, pattern_name
 from tpfuse.models.llama import HFRMSNorm
@@ -184,8 +186,8 @@ def test_every_combination_of_steps_is_a_pattern_named_from_its_steps():
                  "AllReduceLayerNorm", "AllReduceAddLayerNorm", "AllReduceBiasAddLayerNorm",
                  "TwoAllReducesBiasAddLayerNorm", "TwoAllReducesAddLayerNorm", "TwoAllReducesAddRMSNorm"):
         assert name in names
-    steps = dict(scaled=False, branches=1, bias=True, sum_norm=False, residual=True, layer_norm=False,
-                 quant="static")
+    steps = dict(scaled=False, branches=1, bias=True, post_norm=False, residual=True, norm=RmsNorm,
+                 output=StaticFp8)
     assert pattern_name(steps) == "AllReduceBiasAddRMSNormQuant"
 
 
@@ -210,18 +212,19 @@ def _fuse_whole(patterns, trace=post_grad_pass_without_dynamo) -> None:
         [index] = {a.args[2] for a in _ancestors([node]) if a.op == "call_function"
                    and a.target == aten.select.int}
         pattern, steps = patterns[index], node.kwargs
-        quant = ("fp4" if steps.get("fp4") else "dynamic" if steps.get("scale_group") else
-                 "static" if steps.get("quant_scale") is not None else None)
-        if quant == "fp4":  # NVFP4 with the model's global scale, MXFP4 without
+        output = (Fp4 if steps.get("fp4") else DynamicFp8 if steps.get("scale_group") else
+                  StaticFp8 if steps.get("quant_scale") is not None else Unquantised)
+        if output is Fp4:  # NVFP4 with the model's global scale, MXFP4 without
             assert steps["fp4"] == (FP4_NVFP4, FP4_MXFP4)[index % 2], (pattern.name, steps)
             assert (steps.get("global_scale") is not None) == (steps["fp4"] == FP4_NVFP4), (pattern.name,
                                                                                             steps)
             assert steps.get("scale_layout", SCALES_ROWS) == _mxfp4_layout(index), (pattern.name, steps)
         does = (steps.get("bias") is not None, steps.get("sum_weight") is not None, node.args[1] is not None,
-                steps.get("layer_norm", False), steps.get("norm_bias") is not None, quant,
-                steps.get("shared_expert") is not None)
-        assert does == (pattern.bias, pattern.sum_norm, pattern.residual, pattern.layer_norm,
-                        pattern.layer_norm, pattern.quant, pattern.branches == 2), (pattern.name, steps)
+                LayerNorm if steps.get("layer_norm", False) else RmsNorm, steps.get("norm_bias") is not None,
+                output, steps.get("shared_expert") is not None)
+        wants = (pattern.bias, pattern.post_norm, pattern.residual, pattern.norm, pattern.norm is LayerNorm,
+                 pattern.output, pattern.branches == 2)
+        assert does == wants, (pattern.name, steps)
 
 
 # torch 2.11 (the GPU machine's image) drops the .to(bf16).float() between a norm whose weight is applied

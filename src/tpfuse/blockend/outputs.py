@@ -44,7 +44,7 @@ from tpfuse.blockend.bits import (
 from tpfuse.blockend.stages import Stage
 from tpfuse.targets import fp8_format
 
-__all__ = ["DynamicFp8", "MxFp4", "NvFp4", "Output", "StaticFp8", "Unquantised", "explain_code", "of"]
+__all__ = ["DynamicFp8", "Fp4", "MxFp4", "NvFp4", "Output", "StaticFp8", "Unquantised", "explain_code", "of"]
 
 _LAYOUT_NAMES = {SCALES_ROWS: "rows", SCALES_COLUMNS: "columns", SCALES_PACKED_UE8M0: "packed UE8M0",
                  SCALES_SHUFFLED: "shuffled"}
@@ -259,7 +259,7 @@ class DynamicFp8(Output):
 
 
 @dataclass(frozen=True)
-class _Fp4(Output):
+class Fp4(Output):
     """What NVFP4 and MXFP4 share: two e2m1 codes a byte, a scale a fixed group of a row."""
 
     #: The format's name in errors.
@@ -281,7 +281,7 @@ class _Fp4(Output):
 
 
 @dataclass(frozen=True)
-class NvFp4(_Fp4):
+class NvFp4(Fp4):
     """e2m1 codes of ``y * g / s`` (two a byte), ``s = e4m3(amax / 6 * g)`` a 16 elements in the 128 x 4
     tiles Blackwell's FP4 GEMMs read, ``g`` the caller's float32 global scale."""
 
@@ -304,7 +304,7 @@ class NvFp4(_Fp4):
 
 
 @dataclass(frozen=True)
-class MxFp4(_Fp4):
+class MxFp4(Fp4):
     """e2m1 codes of ``y / 2**e`` (two a byte), an e8m0 scale ``2**e`` a 32 elements (OCP MX), row-major or
     (``shuffled``) in the order AITER's MXFP4 GEMMs read them."""
 

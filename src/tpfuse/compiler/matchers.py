@@ -406,7 +406,7 @@ class DynamicFp8(NamedTuple):
 
 
 def match_dynamic_fp8(y: Node, hidden: int) -> DynamicFp8 | None:
-    """Dynamic fp8 in ``kernels.reference.dynamic_fp8``'s form: ``g = y.float()`` (viewed as groups or
+    """Dynamic fp8 in ``blockend.codecs.dynamic_fp8``'s form: ``g = y.float()`` (viewed as groups or
     not), ``s = clamp(amax(|g|, -1) / 448, min)``, optionally rounded up to a power of two as DeepGEMM's
     UE8M0 scales are made (``2 ** ceil(log2(|s|))``, ``pow`` or ``exp2``), ``out = clamp(g / s, -448,
     448).to(fp8)`` (viewed back), ``scales = s.squeeze(-1)``; or None. 240 and float8_e4m3fnuz where that
@@ -479,9 +479,9 @@ class Fp4(NamedTuple):
 
     out: Node  # the codes [T, H / 2]
     scales: Node | None  # the scales, in the fused op's layout (None: not read)
-    fp4: int  # kernels.block_end.FP4_NVFP4 or FP4_MXFP4
+    fp4: int  # blockend.bits.FP4_NVFP4 or FP4_MXFP4
     global_scale: Node | None  # NVFP4's
-    scale_layout: int  # MXFP4's scales: kernels.block_end.SCALES_ROWS or SCALES_SHUFFLED
+    scale_layout: int  # MXFP4's scales: blockend.bits.SCALES_ROWS or SCALES_SHUFFLED
     nodes: list[Node]  # the quantisation's own nodes (the op; its outputs are out and scales)
 
 

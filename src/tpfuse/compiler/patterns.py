@@ -12,7 +12,7 @@ norm optional, in this order)::
     a  = a + (all-reduce of x_other (+ its bias))   # branches: two all-reduces of one group summed
                                                     #   (the second may be multiplied by a value a
                                                     #   token: Qwen2-MoE's shared expert gate)
-    a  = rmsnorm(a) * sum_weight                    # sum_norm: Gemma 2/3's post-norm
+    a  = rmsnorm(a) * sum_weight                    # post_norm: Gemma 2/3's post-norm
     h  = a + residual | residual + a                # residual; may broadcast [S,H]+[1,S,H]; or
     h  = (a + t) + residual                         #   t a second [T, H] term the ranks hold alike
                                                     #   (Qwen2-MoE's gated shared expert, not split)
@@ -77,6 +77,8 @@ from tpfuse.compiler.matchers import (
 from tpfuse.compiler.reasons import DYNAMIC_HIDDEN, Reason, no_communicator
 from tpfuse.compiler.sizes import element_count, size_expr, static_int, token_count
 from tpfuse.blockend.bits import FP4_NVFP4, SCALES_ROWS
+from tpfuse.blockend.outputs import DynamicFp8, Fp4, Output, StaticFp8, Unquantised
+from tpfuse.blockend.stages import LayerNorm, Norm, RmsNorm
 from tpfuse.blockend.codecs import dynamic_fp8
 from tpfuse.targets import fp8_format
 
@@ -127,9 +129,9 @@ class Match:
     scales: Node | None = None  # dynamic fp8: the node of the scales
     scale_group: int = 0  # dynamic fp8: elements per scale
     ue8m0: bool = False  # dynamic fp8: scales rounded up to powers of two
-    scale_layout: int = 0  # dynamic fp8's and MXFP4's: where the scales go (kernels.block_end.SCALES_*)
+    scale_layout: int = 0  # dynamic fp8's and MXFP4's: where the scales go (blockend.bits.SCALES_*)
     normed: Node | None = None  # a quantised site's norm result, read besides the quantisation
-    fp4: int = 0  # fp4 output (kernels.block_end.FP4_*): the scales are the op's in their own layout
+    fp4: int = 0  # fp4 output (blockend.bits.FP4_*): the scales are the op's in their own layout
     global_scale: Node | None = None  # NVFP4: the global scale
     finalize: Finalize | None = None  # the MoE finalize that makes x, done in the op instead
 
@@ -161,13 +163,17 @@ def token_limit_problem(tokens, token_bound, fusion_limit: int, how_to_bound: st
 @dataclass(frozen=True)
 class FusionPattern:
     """A block end the pass fuses, as data: which steps its site has, each one required (one instance a
-    combination, :data:`PATTERNS`).
+    combination, :data:`PATTERNS`), named as the block end's stages name them (``blockend.stages``,
+    ``blockend.outputs``).
 
     In the order they apply to the all-reduced sum: ``scaled`` (multiplied by a number: Gemma's
-    embedding), ``bias`` (a row-parallel layer's bias, in every branch), ``branches`` (2: the sum of
-    two all-reduces of the same group, Phi / GPT-NeoX's parallel attention and MLP), ``sum_norm``
-    (an RMSNorm of the sum before the residual add: Gemma 2/3), ``residual``, then RMSNorm or
-    ``layer_norm``, then ``quant``: None, "static" (one fp8 scale) or "dynamic" (per token or group).
+    embedding), ``bias`` (the :class:`~tpfuse.blockend.stages.Bias` stage: a row-parallel layer's bias,
+    in every branch), ``branches`` (2: the sum of two all-reduces of the same group, Phi / GPT-NeoX's
+    parallel attention and MLP), ``post_norm`` (the ``PostNorm`` stage: Gemma 2/3), ``residual``, then
+    ``norm`` (the ``RmsNorm`` or ``LayerNorm`` stage), then ``output`` (y's format: ``Unquantised``,
+    ``StaticFp8``, ``DynamicFp8`` or ``Fp4``, which the site's quantiser makes NVFP4 or MXFP4). ``scaled``
+    and ``branches`` are steps of the graph, not of the kernel: the replacement folds them into the op's
+    inputs (each rank's x times the number; the second branch's x as the finalize's ``shared_expert``).
     ``name`` reads the steps in order (:func:`pattern_name`); ``description`` says what the site is and
     which models write it.
     """
@@ -177,16 +183,20 @@ class FusionPattern:
     scaled: bool = False
     bias: bool = False
     branches: int = 1
-    sum_norm: bool = False
+    post_norm: bool = False
     residual: bool = False
-    layer_norm: bool = False
-    quant: str | None = None
+    norm: type[Norm] = RmsNorm
+    output: type[Output] = Unquantised
 
     @property
     def length(self) -> int:
         """How many steps the pattern has: longer patterns are tried first."""
-        return (self.scaled + self.bias + (self.branches - 1) + self.sum_norm + self.residual + self.layer_norm
-                + (self.quant is not None))
+        return (self.scaled + self.bias + (self.branches - 1) + self.post_norm + self.residual
+                + (self.norm is LayerNorm) + self.quantised)
+
+    @property
+    def quantised(self) -> bool:
+        return self.output is not Unquantised
 
     def search(self, all_reduce: Node) -> Match | None:
         if not is_call(all_reduce, ALL_REDUCE):
@@ -245,7 +255,7 @@ class FusionPattern:
             m.biases += [bias] if bias is not None else []
             m.internal += nodes
             cur = follow(add)
-        if self.sum_norm:
+        if self.post_norm:
             norm = match_rmsnorm(cur)
             if norm is None:
                 return None
@@ -275,35 +285,35 @@ class FusionPattern:
         else:
             m.internal += [n for n in steps if n is not cur]
         norm_input = row_views(cur, hidden)[-1]
-        if self.layer_norm:
-            norm = match_layernorm(norm_input, quantised=bool(self.quant))
+        if self.norm is LayerNorm:
+            norm = match_layernorm(norm_input, quantised=self.quantised)
             if norm is None:
                 return None
             out, m.weight, m.eps, m.norm_bias, nodes = norm
         else:
-            norm = match_rmsnorm(norm_input, quantised=bool(self.quant))
+            norm = match_rmsnorm(norm_input, quantised=self.quantised)
             if norm is None:
                 return None
             out, m.weight, m.eps, nodes = norm
-        if self.sum_norm and sum_eps != m.eps:
+        if self.post_norm and sum_eps != m.eps:
             m.problem = m.problem or Reason("operands", f"the post-norm's eps {sum_eps} differs from the norm's "
                                                         f"{m.eps}")
-        if self.quant == "static":
+        if self.output is StaticFp8:
             quant = match_static_fp8(out)
             if quant is None:
                 return None
             q_out, m.quant_scale, quant_nodes = quant
-        elif self.quant == "dynamic":
+        elif self.output is DynamicFp8:
             quant = match_dynamic_fp8(out, hidden)
             if quant is None:
                 return None
             q_out, m.scales, m.scale_group, m.ue8m0, quant_nodes = quant
-        elif self.quant == "fp4":
+        elif self.output is Fp4:
             quant = match_fp4(out)
             if quant is None:
                 return None
             q_out, m.scales, m.fp4, m.global_scale, m.scale_layout, quant_nodes = quant
-        if self.quant:
+        if self.quantised:
             # The norm's result read besides its quantisation (a normed row that also feeds something
             # else): the op writes it too, in the input's dtype (normed_copy).
             if read_besides(out, quant_nodes):
@@ -354,7 +364,7 @@ class FusionPattern:
                                           or meta_val(m.quant_scale).dtype != torch.float32
                                           or meta_val(m.quant_scale).numel() != 1):
             return Reason("operands", "the fp8 scale is not a float32 tensor of one element")
-        if meta_val(m.out).dtype != (torch.uint8 if m.fp4 else fp8_of(m.out).dtype if self.quant else x.dtype):
+        if meta_val(m.out).dtype != (torch.uint8 if m.fp4 else fp8_of(m.out).dtype if self.quantised else x.dtype):
             return Reason("operands", "the norm's result dtype differs from the input's (e.g. an fp32 weight "
                                       "multiplied last)")
         allowed = set(m.internal) | {m.out, m.h} | ({m.scales, m.normed} - {None})
@@ -404,9 +414,9 @@ class FusionPattern:
             r2 = call(aten.reshape.default, m.residual, [-1, hidden]) if m.residual is not None else None
             if m.also_added is not None:  # both terms in one residual (one rounding, as the model's second add)
                 r2 = call(aten.add.Tensor, r2, call(aten.reshape.default, m.also_added, [-1, hidden]))
-            steps = {"bias": bias, "sum_weight": m.sum_weight, "layer_norm": self.layer_norm,
+            steps = {"bias": bias, "sum_weight": m.sum_weight, "layer_norm": self.norm is LayerNorm,
                      "norm_bias": m.norm_bias, **finalize}
-            if self.quant in ("dynamic", "fp4") or m.normed is not None:  # the op of every quantised output
+            if self.output in (DynamicFp8, Fp4) or m.normed is not None:  # the op of every quantised output
                 op = torch.ops.tpfuse.allreduce_add_rmsnorm_quant.default
                 fused = call(op, x2, r2, m.weight, m.eps, m.group_name, quant_scale=m.quant_scale,
                              scale_group=m.scale_group, ue8m0_scales=m.ue8m0, scale_layout=m.scale_layout,
@@ -462,22 +472,22 @@ class FusionPattern:
         h = branch(x, inputs.get("bias"))
         if self.branches == 2:
             h = h + branch(inputs["x_other"], inputs.get("bias_other"))
-        if self.sum_norm:
+        if self.post_norm:
             h = _example_rmsnorm(h, inputs["sum_weight"], eps, gemma=True)
         if self.residual:
             h = h + inputs["residual"]
-        if self.layer_norm:
+        if self.norm is LayerNorm:
             y = torch.nn.functional.layer_norm(h, (h.shape[-1],), inputs["weight"], inputs.get("norm_bias"),
                                                eps)
         else:
-            y = _example_rmsnorm(h, inputs["weight"], eps, gemma=self.sum_norm)
-        if self.quant == "static":
+            y = _example_rmsnorm(h, inputs["weight"], eps, gemma=self.post_norm)
+        if self.output is StaticFp8:
             fmt = fp8_format(y.device)  # the device's fp8, as the op gives it (targets.fp8_format)
             y = (y.float() / inputs["scale"]).clamp(-fmt.max, fmt.max).to(fmt.dtype)
-        elif self.quant == "dynamic":
+        elif self.output is DynamicFp8:
             y, scales = dynamic_fp8(y, inputs["scale_group"])
             return y, scales, h
-        elif self.quant == "fp4":  # tpfuse.quantize_fp4 as the op it calls
+        elif self.output is Fp4:  # tpfuse.quantize_fp4 as the op it calls
             fp4 = inputs.get("fp4", FP4_NVFP4)
             y, scales = torch.ops.tpfuse.quantize_fp4(y, fp4, inputs["global_scale"] if fp4 == FP4_NVFP4 else None,
                                                       inputs.get("scale_layout", SCALES_ROWS))
@@ -584,26 +594,27 @@ def _size_source(graph: Graph, size: torch.SymInt, m: Match) -> tuple[Node, int 
 
 
 
-# The steps a pattern may require, in the order they apply, and what each contributes to its name.
-QUANTS = (None, "static", "dynamic", "fp4")
+# y's formats a pattern may require, and what each contributes to its name.
+_OUTPUT_WORDS = {Unquantised: "", StaticFp8: "Quant", DynamicFp8: "DynamicQuant", Fp4: "Fp4Quant"}
 
 
 def combinations() -> list[dict]:
     """Every combination of steps the fused op runs, as a pattern's fields.
 
     The kernels run any subset of bias, post-norm, residual, RMSNorm or LayerNorm, and no, static or
-    dynamic fp8 or fp4 output (``kernels.block_end``); the all-reduced input may be multiplied by a number or be the
+    dynamic fp8 or fp4 output (``blockend.stages``); the all-reduced input may be multiplied by a number or be the
     sum of two all-reduces, which the replacement folds into x before the one all-reduce. A number
     times a sum of two branches is left out: no model writes it, and ``search`` finds the number on
     the first branch only.
     """
     found = []
-    for scaled, branches, bias, sum_norm, residual, layer_norm, quant in itertools.product(
-            (False, True), (1, 2), (False, True), (False, True), (False, True), (False, True), QUANTS):
+    for scaled, branches, bias, post_norm, residual, norm, output in itertools.product(
+            (False, True), (1, 2), (False, True), (False, True), (False, True), (RmsNorm, LayerNorm),
+            _OUTPUT_WORDS):
         if scaled and branches == 2:
             continue
-        found.append(dict(scaled=scaled, branches=branches, bias=bias, sum_norm=sum_norm, residual=residual,
-                          layer_norm=layer_norm, quant=quant))
+        found.append(dict(scaled=scaled, branches=branches, bias=bias, post_norm=post_norm, residual=residual,
+                          norm=norm, output=output))
     return found
 
 
@@ -614,10 +625,10 @@ def pattern_name(steps: dict) -> str:
         "TwoAllReduces" if steps["branches"] == 2 else "AllReduce",
         "Scaled" if steps["scaled"] else "",
         "Bias" if steps["bias"] else "",
-        "PostNorm" if steps["sum_norm"] else "",
+        "PostNorm" if steps["post_norm"] else "",
         "Add" if steps["residual"] else "",
-        "LayerNorm" if steps["layer_norm"] else "RMSNorm",
-        {None: "", "static": "Quant", "dynamic": "DynamicQuant", "fp4": "Fp4Quant"}[steps["quant"]],
+        "LayerNorm" if steps["norm"] is LayerNorm else "RMSNorm",
+        _OUTPUT_WORDS[steps["output"]],
     ])
 
 
@@ -640,10 +651,10 @@ _MODELS = {
 
 def _describe(steps: dict) -> str:
     parts = ["all-reduce + all-reduce" if steps["branches"] == 2 else "all-reduce"]
-    parts += ["* a number"] * steps["scaled"] + ["+ bias"] * steps["bias"] + ["RMSNorm"] * steps["sum_norm"]
-    parts += ["+ residual"] * steps["residual"] + ["LayerNorm" if steps["layer_norm"] else "RMSNorm"]
-    parts += {None: [], "static": ["static fp8"], "dynamic": ["fp8 with a scale per token or group"],
-              "fp4": ["NVFP4 or MXFP4 (tpfuse.quantize_fp4)"]}[steps["quant"]]
+    parts += ["* a number"] * steps["scaled"] + ["+ bias"] * steps["bias"] + ["RMSNorm"] * steps["post_norm"]
+    parts += ["+ residual"] * steps["residual"] + ["LayerNorm" if steps["norm"] is LayerNorm else "RMSNorm"]
+    parts += {Unquantised: [], StaticFp8: ["static fp8"], DynamicFp8: ["fp8 with a scale per token or group"],
+              Fp4: ["NVFP4 or MXFP4 (tpfuse.quantize_fp4)"]}[steps["output"]]
     return " -> ".join(parts)
 
 

@@ -1,6 +1,6 @@
 """The block end in Triton: what the one-shot, two-shot and local kernels do with a row around its sum.
 
-``kernels.block_end`` describes the steps (``Epilogue``) and gives the kernels their ``steps`` and
+``blockend.epilogue`` describes the steps (``Epilogue``) and gives the kernels their ``steps`` and
 ``STEPS`` arguments; the functions here alone read them (docs/architecture.md).
 """
 

@@ -98,7 +98,7 @@ def check_inputs(
 
 def check_block_end(x: torch.Tensor, shape: torch.Size, epilogue: Epilogue, device: torch.device) -> None:
     """The block end's tensors against the call (``shape``: the call's rows, [T, H]): each stage's checks
-    (``kernels.stages``); how the steps combine was checked when the block end was made."""
+    (``blockend.stages``); how the steps combine was checked when the block end was made."""
     epilogue.check(x, shape, device)
 
 

@@ -47,7 +47,7 @@ class Case:
     # are nearly always exact in fp32 whatever the order, so no test could see the order. Needs 3+
     # ranks (two terms add the same either way); ignored below that.
     cancelling: bool = False
-    # The block end's optional steps (kernels/block_end.py): a bias after the sum, Gemma's post-norm,
+    # The block end's optional steps (blockend/epilogue.py): a bias after the sum, Gemma's post-norm,
     # LayerNorm (with its bias), dynamic fp8 with a scale per ``scale_group`` elements.
     bias: bool = False
     sum_norm: bool = False
@@ -176,7 +176,7 @@ def check_results(case: Case, world_size: int, per_rank: list[tuple[torch.Tensor
     A dynamic fp8 ``y`` is compared in its own scaled units (``y_ref / scale``), with fp8's tolerance,
     and each scale with ``amax / 448`` of the float64 ``y`` (240 where y is float8_e4m3fnuz; UE8M0
     scales: the power of two at or above it). fp4 ``y`` is decoded by the format's definition
-    (``kernels.formats``) and compared in its scaled units within half a step of e2m1.
+    (``blockend.codecs``) and compared in its scaled units within half a step of e2m1.
     """
     inputs = inputs or case.inputs(world_size)
     # The fp8 format the ranks' device gives (a GPU's results come back on the CPU): from y's dtype.
