@@ -362,7 +362,9 @@ class TitanModel(nn.Module):
         return self.output(self.norm(h))
 
 
-def _parallelized_model(rank, world_size):
+def _titan_tp(world_size):
+    """TitanModel under torch's parallelize_module, as torchtitan's plain TP plan (seeded: every call the
+    same weights)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -384,12 +386,48 @@ def _parallelized_model(rank, world_size):
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(),
         })
-    return _check_model(model, _token_ids, BELOW + ABOVE)
+    return model
+
+
+def _parallelized_model(rank, world_size):
+    return _check_model(_titan_tp(world_size), _token_ids, BELOW + ABOVE)
 
 
 def test_parallelize_module_dtensor(rank_pool):
     # The embedding's all-reduce (two users: the first norm and the residual) and two per layer.
     _assert_fused(rank_pool(2).run(_parallelized_model, timeout=900), sites=5)
+
+
+def _trained(rank, world_size, steps=3):
+    """Losses of a few SGD steps of the DTensor model, eager and under tpfuse.compile (train mode, dynamic
+    sizes), and the compiled run's site reports."""
+    tpfuse.get_communicator(max_tokens=LIMIT, hidden=HIDDEN)
+    eager, model = _titan_tp(world_size), _titan_tp(world_size)
+    compiled = tpfuse.compile(model)
+    losses = {"eager": [], "compiled": []}
+    for name, run, trained in (("eager", eager, eager), ("compiled", compiled, model)):
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
+        for step in range(steps):
+            ids = _token_ids(2, 3 + 4 * (step % 2))  # two shapes below the limit: one graph, sizes dynamic
+            logits = run(ids)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.item())
+    reports = [[str(s) for s in graph] for graph in compiled.tpfuse_backend.reports]
+    return losses, reports
+
+
+def test_parallelize_module_trains_compiled_with_its_forward_fused(rank_pool):
+    """torchtitan's plain TP in training: the compile used to fail (RecursionError in torch's tracing of
+    the DTensor backward with dynamic sizes). Now it trains to the eager run's losses, and the forward's
+    block ends fuse: every site but the one whose pre-add sum the backward keeps."""
+    for losses, reports in rank_pool(2).run(_trained, timeout=900):
+        for eager, compiled in zip(losses["eager"], losses["compiled"], strict=True):
+            assert abs(eager - compiled) < 2e-2 * abs(eager), losses
+        fused = [line for graph in reports for line in graph if ": fused (" in line]
+        assert len(fused) == 4, reports
 
 
 # --- gpt-fast's tp.py: forward hooks -------------------------------------------------------------------

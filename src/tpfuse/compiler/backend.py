@@ -14,6 +14,7 @@ compile range changes a token's bits.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -164,6 +165,48 @@ def _bounds_relied_on(fusion_pass: FusionPass, gm: torch.fx.GraphModule) -> set[
     return relied
 
 
+@contextlib.contextmanager
+def _norms_recomputed_in_backward():
+    """Let AOTAutograd's partitioner recompute a norm's ``rsqrt`` in the backward from what it saves (h)
+    instead of saving it. A saved ``rsqrt`` is a second reader of the norm's inside, where the fused op
+    has none: with it no forward site of a training graph fuses; without it the forward's block ends fuse
+    and the backward's norm recomputes one row reduction (the same ops, the same bits). Training graphs
+    only: inference graphs are not partitioned."""
+    from torch._functorch import config as functorch_config
+
+    if not hasattr(functorch_config, "ban_recompute_reductions"):
+        yield
+        return
+    with functorch_config.patch(ban_recompute_reductions=False):
+        yield
+
+
+@contextlib.contextmanager
+def _first_symbol_proxy_kept():
+    """Keep the first proxy of a bare size symbol in make_fx's ``sympy_expr_tracker`` (torch 2.13
+    overwrites it). Else tracing a DTensor backward with dynamic sizes (training) maps ``s`` to the
+    proxy of ``sym_max(s, 1)``, whose input ``s`` is untracked and resolves through the tracker to that
+    same proxy: infinite recursion (RecursionError) in ``proxy_tensor._compute_proxy``."""
+    from torch.fx.experimental import proxy_tensor
+
+    original = proxy_tensor.set_proxy_slot
+
+    def set_proxy_slot(obj, tracer, proxy):
+        symbols = getattr(tracer, "sympy_expr_tracker", None)
+        if symbols is None or not isinstance(obj, proxy_tensor.py_sym_types):
+            return original(obj, tracer, proxy)
+        kept = symbols.get(obj.node.expr)
+        original(obj, tracer, proxy)
+        if kept is not None:
+            symbols[obj.node.expr] = kept
+
+    proxy_tensor.set_proxy_slot = set_proxy_slot
+    try:
+        yield
+    finally:
+        proxy_tensor.set_proxy_slot = original
+
+
 class TpfuseBackend:
     """A ``torch.compile`` backend: Inductor with the fusion pass below the fusion limit, without above.
 
@@ -207,7 +250,8 @@ class TpfuseBackend:
             patches["post_grad_custom_post_pass"] = fusion_pass
             self.passes.append(fusion_pass)
         self.compiles["fused" if fusion_pass is not None else "plain"] += 1
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        with _first_symbol_proxy_kept(), _norms_recomputed_in_backward():
+            return compile_fx(gm, example_inputs, config_patches=patches)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None,
                  options: dict | None = None):

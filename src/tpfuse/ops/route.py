@@ -66,7 +66,7 @@ class Route:
     def __init__(self, group_name: str, comm: Communicator | None):
         self.group_name = group_name
         self.comm = comm
-        self.world_size = comm.world_size if comm is not None else dist.get_world_size(_group_by_name(group_name))
+        self.world_size = comm.world_size if comm is not None else dist.get_world_size(group_by_name(group_name))
         self._local: dict[torch.device, object] = {}  # device -> the local kernel there, or None
         # The communicator's device as Tensor.get_device() gives it (-1 for the CPU): the cheapest test a call.
         self._comm_device = None if comm is None else -1 if comm.device.type == "cpu" else comm.device.index
@@ -152,7 +152,7 @@ class Route:
     def _run_reference(self, call: FusedCall) -> None:
         """The group's own all-reduce in fp32 (none at world size 1), then the block end in torch."""
         x, epilogue, comm = call.x, call.epilogue, self.comm
-        group = _group_by_name(self.group_name)
+        group = group_by_name(self.group_name)
         checking = self.world_size > 1 and self._checking(x)
         timeout = comm.wait_timeout_s if comm is not None else default_wait_timeout_s()
         if checking:  # the kernels' comparison of calls does not cover the group's all-reduce: compare here
@@ -175,7 +175,7 @@ class Route:
         quantisation) is the local kernel's where the kernels run, else torch's.
         """
         x, comm = call.x, self.comm
-        group = _group_by_name(self.group_name)
+        group = group_by_name(self.group_name)
         checking = self._checking(x)
         timeout = comm.wait_timeout_s if comm is not None else default_wait_timeout_s()
         if checking:
@@ -301,7 +301,8 @@ def group_name_of(group: dist.ProcessGroup | None) -> str:
     return name
 
 
-def _group_by_name(group_name: str) -> dist.ProcessGroup:
+def group_by_name(group_name: str) -> dist.ProcessGroup:
+    """The process group of a name tpfuse's ops take; ValueError naming an unknown one."""
     try:
         return dist.distributed_c10d._resolve_process_group(group_name)
     except Exception as exc:  # the private resolver raises several types across torch versions

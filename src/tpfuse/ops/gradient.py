@@ -1,0 +1,102 @@
+"""The fused ops under autograd: the forward is the op itself (the same call, the same bits as without a
+gradient), the backward ``blockend.gradient`` in fp32, row by row.
+
+What each input receives follows tensor parallelism's contract (docs/training.md): the gradients reaching
+``y`` and ``h`` are replicated across the group, and every rank's partial ``x`` receives the gradient of the
+sum. The public functions (``tpfuse.allreduce_add_rmsnorm``, ``tpfuse.all_reduce``) come here when grad
+mode is on and an input requires a gradient; a quantised output refuses one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tpfuse.blockend.epilogue import Epilogue
+from tpfuse.blockend.gradient import block_end_backward
+from tpfuse.blockend.reference import rank_part
+from tpfuse.ops.route import group_by_name
+
+#: The block end's tensors that can take a gradient, in the Function's argument order.
+_STEP_TENSORS = ("bias", "sum_weight", "norm_bias", "topk_weights", "shared_expert")
+
+
+def requires_grad(*tensors) -> bool:
+    """Whether grad mode is on and any of ``tensors`` (None allowed) requires a gradient."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class _BlockEnd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group_name, eps, layer_norm, x, residual, weight, *steps):
+        named = dict(zip(_STEP_TENSORS, steps))
+        epilogue = Epilogue(layer_norm=layer_norm, experts=x.shape[1] if x.dim() == 3 else 0, **named)
+        y, h = torch.ops.tpfuse.allreduce_add_rmsnorm(x, residual, weight, eps, group_name,
+                                                      **epilogue.kwargs())
+        ctx.save_for_backward(x, h, weight, *steps)
+        ctx.group_name, ctx.eps, ctx.layer_norm = group_name, eps, layer_norm
+        ctx.has_residual = residual is not None
+        return y, h
+
+    @staticmethod
+    def backward(ctx, g_y, g_h):
+        x, h, weight, *steps = ctx.saved_tensors
+        named = dict(zip(_STEP_TENSORS, steps))
+        epilogue = Epilogue(layer_norm=ctx.layer_norm, experts=x.shape[1] if x.dim() == 3 else 0, **named)
+        post_norm_input = None
+        if epilogue.stages.post_norm is not None:
+            # The forward keeps no sum: it is made again, in x's dtype, on the same kernels and in the same
+            # rank order (every rank runs the backward, so every rank makes this call).
+            post_norm_input = torch.ops.tpfuse.all_reduce(rank_part(x, epilogue).contiguous(), ctx.group_name)
+            post_norm_input = post_norm_input.float()
+            if epilogue.bias is not None:
+                post_norm_input = post_norm_input + epilogue.bias.float()
+        grads = block_end_backward(epilogue, x, h, weight, ctx.eps, g_y, g_h, post_norm_input)
+        if grads.get("topk_weights") is not None:
+            # The weights are the same on every rank, each rank's experts' outputs its part of the sum: the
+            # weights' gradient is the sum of every rank's part.
+            grads["topk_weights"] = _sum_in_rank_order(grads["topk_weights"], ctx.group_name)
+        # Each gradient in its input's dtype (the residual's is x's); none for an input the call had not.
+        dtypes = {"x": x.dtype, "residual": x.dtype if ctx.has_residual else None, "weight": weight.dtype,
+                  **{name: None if t is None else t.dtype for name, t in named.items()}}
+        out = {name: None if dtype is None or grads.get(name) is None else grads[name].to(dtype)
+               for name, dtype in dtypes.items()}
+        return (None, None, None, out["x"], out["residual"], out["weight"], *(out[n] for n in _STEP_TENSORS))
+
+
+def _sum_in_rank_order(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum over the group's ranks of ``t`` (fp32), in ascending rank order whatever its size: the
+    group's all-reduce splits a tensor in chunks by its size, so a row's sum would depend on the batch."""
+    group = group_by_name(group_name)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+def block_end_with_gradient(x, residual, weight, eps, group_name: str, epilogue: Epilogue):
+    """``(y, h)`` of a checked call whose inputs require a gradient: differentiable in x, the residual, the
+    weight and the block end's tensors. ValueError for a quantised block end."""
+    if epilogue.quantised:
+        raise ValueError("a quantised y has no gradient: call the block end unquantised where it trains "
+                         "(or under torch.no_grad())")
+    steps = [getattr(epilogue, name) for name in _STEP_TENSORS]
+    return _BlockEnd.apply(group_name, eps, epilogue.layer_norm, x, residual, weight, *steps)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group_name, x):
+        return torch.ops.tpfuse.all_reduce(x, group_name)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g  # a replicated gradient of the sum is every part's
+
+
+def all_reduce_with_gradient(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of ``x`` over the group, differentiable: each rank's ``x`` receives the (replicated) gradient
+    of the sum, as a row-parallel layer's input does in tensor parallelism."""
+    return _AllReduce.apply(group_name, x)
