@@ -398,17 +398,20 @@ def test_parallelize_module_dtensor(rank_pool):
     _assert_fused(rank_pool(2).run(_parallelized_model, timeout=900), sites=5)
 
 
-def _trained(rank, world_size, steps=3):
-    """Losses of a few SGD steps of the DTensor model, eager and under tpfuse.compile (train mode, dynamic
-    sizes), and the compiled run's site reports."""
+def _trained(rank, world_size, client, steps=3):
+    """Losses of a few SGD steps of a client's model (``dtensor``: parallelize_module; ``hooks``: gpt-fast's
+    functional all-reduces), eager and under tpfuse.compile (train mode, dynamic sizes), and the compiled
+    run's site reports."""
     tpfuse.get_communicator(max_tokens=LIMIT, hidden=HIDDEN)
-    eager, model = _titan_tp(world_size), _titan_tp(world_size)
+    build, batch = {"dtensor": (lambda: _titan_tp(world_size), 2),
+                    "hooks": (lambda: _gpt_fast_tp(rank, world_size), 1)}[client]
+    eager, model = build(), build()
     compiled = tpfuse.compile(model)
     losses = {"eager": [], "compiled": []}
     for name, run, trained in (("eager", eager, eager), ("compiled", compiled, model)):
         optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
         for step in range(steps):
-            ids = _token_ids(2, 3 + 4 * (step % 2))  # two shapes below the limit: one graph, sizes dynamic
+            ids = _token_ids(batch, 3 + 4 * (step % 2))  # two shapes below the limit: one graph
             logits = run(ids)
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
             optimizer.zero_grad()
@@ -419,15 +422,18 @@ def _trained(rank, world_size, steps=3):
     return losses, reports
 
 
-def test_parallelize_module_trains_compiled_with_its_forward_fused(rank_pool):
-    """torchtitan's plain TP in training: the compile used to fail (RecursionError in torch's tracing of
-    the DTensor backward with dynamic sizes). Now it trains to the eager run's losses, and the forward's
-    block ends fuse: every site but the one whose pre-add sum the backward keeps."""
-    for losses, reports in rank_pool(2).run(_trained, timeout=900):
+@pytest.mark.parametrize("client, fused_sites", [("dtensor", 4), ("hooks", 3)])
+def test_training_compiles_trains_and_fuses_the_forward(rank_pool, client, fused_sites):
+    """torchtitan's plain TP (DTensor) and gpt-fast's hooks in training. The DTensor compile used to fail
+    (RecursionError in torch's tracing of its backward with dynamic sizes) and neither fused a site (the
+    backward's saved rsqrt). Now both train to the eager run's losses and their forward's block ends
+    fuse: every site but the one whose pre-add sum the backward keeps (the second's, one of 5 in DTensor's
+    model; the first's, one of 4 in gpt-fast's)."""
+    for losses, reports in rank_pool(2).run(_trained, client, timeout=900):
         for eager, compiled in zip(losses["eager"], losses["compiled"], strict=True):
             assert abs(eager - compiled) < 2e-2 * abs(eager), losses
         fused = [line for graph in reports for line in graph if ": fused (" in line]
-        assert len(fused) == 4, reports
+        assert len(fused) == fused_sites, reports
 
 
 # --- gpt-fast's tp.py: forward hooks -------------------------------------------------------------------
@@ -499,7 +505,8 @@ def _apply_gpt_fast_hooks(model: GptFastModel) -> None:
             lambda _m, _i, output: funcol.all_reduce(output, "sum", group))
 
 
-def _gpt_fast_model(rank, world_size):
+def _gpt_fast_tp(rank, world_size):
+    """GptFastModel with gpt-fast's hooks, seeded: every call the same weights."""
     torch.manual_seed(rank)  # each rank holds its own shards
     model = GptFastModel(world_size).to(torch.bfloat16)
     torch.manual_seed(0)
@@ -509,7 +516,11 @@ def _gpt_fast_model(rank, world_size):
         elif "tok_embeddings" in name or "output" in name:
             nn.init.normal_(p, 0.0, 1.0 if "tok" in name else 0.1)
     _apply_gpt_fast_hooks(model)
-    return _check_model(model, _token_ids, [(1, 5), (1, 12), (1, 23), (1, 40)])
+    return model
+
+
+def _gpt_fast_model(rank, world_size):
+    return _check_model(_gpt_fast_tp(rank, world_size), _token_ids, [(1, 5), (1, 12), (1, 23), (1, 40)])
 
 
 def test_gpt_fast_hooks(rank_pool):

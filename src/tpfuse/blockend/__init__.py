@@ -11,6 +11,7 @@ those above it in this list::
     epilogue    Epilogue (the op's flat keywords), its Stages, the kernels' Switches and StepTensors
     call        FusedCall (one call as one value), its description and the descriptor in words
     reference   the torch reference of a call, and the float64 oracle of the tests
+    gradient    the block end's backward in torch: what each input receives (docs/training.md)
 
 The package itself imports none of them (``tpfuse.blockend.epilogue`` and the others are imported by
 name), so importing one module never runs another that imports it.

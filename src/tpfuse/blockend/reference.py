@@ -2,7 +2,7 @@
 
 The steps are the block end's stages (``blockend.stages``), each with its own torch step: a MoE finalize,
 sum, + bias, post-norm, + residual, RMSNorm or LayerNorm, fp8 with a static or dynamic scale, NVFP4 or
-MXFP4 (``blockend.outputs``). The top of ``tpfuse.blockend``: nothing in the package imports it.
+MXFP4 (``blockend.outputs``). Nothing in the package imports it.
 """
 
 from __future__ import annotations
