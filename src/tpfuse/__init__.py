@@ -18,6 +18,7 @@ from tpfuse.ops import (
     allreduce_add_rmsnorm,
     allreduce_add_rmsnorm_dynamic_fp8,
     allreduce_add_rmsnorm_quant,
+    allreduce_rmsnorm_backward,
     quantize_fp4,
 )
 from tpfuse.ops.determinism import batch_invariant, set_batch_invariant
@@ -31,6 +32,7 @@ __all__ = [
     "allreduce_add_rmsnorm",
     "allreduce_add_rmsnorm_dynamic_fp8",
     "allreduce_add_rmsnorm_quant",
+    "allreduce_rmsnorm_backward",
     "batch_invariant",
     "check_errors",
     "compile",

@@ -15,6 +15,9 @@ from tpfuse.compiler.matchers import STAGE_MATCHERS
 HIDDEN = 256
 ONE = torch.ones(1)
 ROW = torch.ones(HIDDEN)
+ROWS = torch.ones(4, HIDDEN)
+#: RMSNorm's backward in the norm's place: its two tensors come together.
+NORM_BACKWARD = dict(norm_input=ROWS, grad_h=ROWS)
 
 # Each keyword changed alone from a block end that allows it: (base, changed).
 CHANGES = {
@@ -33,6 +36,8 @@ CHANGES = {
     "scale_layout": (dict(scale_group=128), dict(scale_group=128, scale_layout=SCALES_COLUMNS)),
     "fp4": (dict(fp4=FP4_MXFP4), dict(fp4=FP4_NVFP4, global_scale=ONE)),
     "global_scale": (dict(fp4=FP4_MXFP4), dict(fp4=FP4_NVFP4, global_scale=ONE)),
+    "norm_input": ({}, NORM_BACKWARD),
+    "grad_h": ({}, NORM_BACKWARD),
 }
 
 STAGE_CLASSES = (stages.Finalize, stages.Bias, stages.PostNorm, stages.Norm, outputs.Output,
@@ -70,6 +75,9 @@ def test_each_keyword_reaches_the_call_descriptor(name):
     (dict(quant_scale=ONE, scale_group=128), "exclude each other"),
     (dict(fp4=FP4_NVFP4), "NVFP4 takes a global_scale"),
     (dict(scale_layout=SCALES_SHUFFLED), "MXFP4's"),
+    (dict(norm_input=ROWS), "norm_input .* and grad_h together"),
+    (dict(NORM_BACKWARD, bias=ROW), "a block end of its own"),
+    (dict(NORM_BACKWARD, quant_scale=ONE), "a block end of its own"),
 ])
 def test_a_combination_that_is_no_block_end_cannot_be_built(keywords, words):
     with pytest.raises(ValueError, match=words):
@@ -101,7 +109,8 @@ def test_the_plain_block_ends_switches_are_every_stage_off():
 
 def test_every_stage_has_its_graph_matcher():
     concrete = [stages.Finalize, stages.Bias, stages.PostNorm, stages.RmsNorm, stages.LayerNorm,
-                stages.NoNorm, stages.NormedCopy, *(type(output) for output in outputs._BY_CODE.values())]
+                stages.NoNorm, stages.RmsNormBackward, stages.NormedCopy,
+                *(type(output) for output in outputs._BY_CODE.values())]
     assert set(concrete) == set(STAGE_MATCHERS), set(concrete) ^ set(STAGE_MATCHERS)
 
 
@@ -118,6 +127,12 @@ def test_each_stage_reference_is_the_formula():
     got = stages.Finalize(2, weights, shared).reference(experts, torch.float64)
     wanted = (experts.double() * weights.double().unsqueeze(-1)).sum(1) + shared.double()
     assert torch.allclose(got, wanted)
+    # RMSNorm's backward: autograd's gradient of the norm's input, plus grad_h
+    a, grad_h = torch.randn(3, HIDDEN, dtype=torch.float64, requires_grad=True), torch.randn(3, HIDDEN)
+    g = torch.randn(3, HIDDEN, dtype=torch.float64)
+    (rms(a) * w).backward(g)
+    got = stages.RmsNormBackward(a.detach(), grad_h).reference(g, w, 1e-6)
+    assert torch.allclose(got, a.grad + grad_h.double())
 
 
 def test_a_part_of_the_rows_takes_the_per_row_tensors_part():

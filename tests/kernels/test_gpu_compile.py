@@ -24,6 +24,7 @@ STATIC_FP8 = dict(QUANT=1)
 LAYER_NORM = dict(HAS_BIAS=True, LAYER_NORM=True, HAS_NORM_BIAS=True)
 GEMMA_PER_GROUP = dict(SUM_NORM=True, QUANT=2, SCALE_GROUP=128)
 MOE = dict(EXPERTS=8, TOPK_WEIGHTS=True, SHARED_EXPERT=True)
+NORM_BACKWARD = dict(NORM_BACKWARD=True)  # the backward's block end: the gradient's sum, RMSNorm's backward
 # The quantised outputs the next GEMM takes (epilogue._store_fp8 / _store_fp4): UE8M0 exponents packed in
 # int32 words with the norm's copy, column-major float32 scales, NVFP4 (e4m3 scales, swizzled) and MXFP4
 # (e8m0 scales, row-major or shuffled). STEP_TYPES: the scales' pointer type where it is not float32.
@@ -77,10 +78,12 @@ SHAPES = [
     ("oneshot", 4, "bf16", dict(ONESHOT, BLOCK_H=8192, SPLIT_PUSH=True, PUSH_CHUNKS=4, BLOCK_C=2048, **MOE)),
     ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False, **MOE)),
     ("twoshot", 2, "bf16", dict(BLOCK_H=4096, GROUPED=True, WIRE=True, **MOE)),
+    ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, **NORM_BACKWARD)),
+    ("twoshot", 4, "bf16", dict(BLOCK_H=4096, GROUPED=True, WIRE=False, **NORM_BACKWARD)),
 ] + QUANTISED_OUTPUTS
 PLAIN = dict(HAS_BIAS=False, SUM_NORM=False, LAYER_NORM=False, HAS_NORM_BIAS=False, QUANT=0, SCALE_GROUP=0,
              NORMED=True, EXPERTS=0, TOPK_WEIGHTS=False, SHARED_EXPERT=False, NORMED_COPY=False,
-             POW2_SCALES=False, SCALE_LAYOUT=0)
+             NORM_BACKWARD=False, POW2_SCALES=False, SCALE_LAYOUT=0)
 
 
 def compile_shape(name: str, world: int, dtype: str, constexprs: dict, target, use_pdl: bool, max_warps: int):

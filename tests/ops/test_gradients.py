@@ -190,3 +190,97 @@ def test_quantised_outputs_refuse_a_gradient_and_the_all_reduce_has_one(rank_poo
         assert said[1] is not None and "no gradient" in said[1], said
         assert said[2] is not None and "out and residual_out take no gradient" in said[2], said
         assert grad_right and same
+
+
+# --- The backward's own block end: y's gradient summed over the ranks, fused with RMSNorm's backward -------
+
+#: (first row, rows): the one-shot (1, 3), the two-shot (8, 16) and calls over the workspace (30, 40).
+BATCHES = [(7, 1), (5, 3), (3, 8), (0, 16), (2, 30), (0, 40)]
+
+
+def _fused_backward(rank, world_size):
+    """``allreduce_rmsnorm_backward`` on rows of every batch of :data:`BATCHES` (the one-shot up to 4 rows,
+    the two-shot above, fused calls of the workspace's 16 rows above that): per batch, each row's outputs'
+    bytes, and the largest difference from float64 of the whole call's."""
+    import torch.distributed as dist
+
+    import tpfuse
+    from tpfuse.testing import forced_table
+
+    group = dist.new_group(list(range(world_size)))
+    comm = tpfuse.get_communicator(group, max_tokens=16, hidden=HIDDEN)
+    g = torch.Generator().manual_seed(11)
+    rows = 40
+    grad_ys = [torch.randn(rows, HIDDEN, generator=g).bfloat16() for _ in range(world_size)]
+    norm_input = torch.randn(rows, HIDDEN, generator=g).bfloat16()
+    grad_h = torch.randn(rows, HIDDEN, generator=g).bfloat16()
+    weight = (1 + 0.1 * torch.randn(HIDDEN, generator=g)).bfloat16()
+    # float64: autograd of RMSNorm at norm_input, the gradient the ranks' parts sum to
+    a = norm_input.double().requires_grad_()
+    (a * torch.rsqrt((a * a).mean(-1, keepdim=True) + EPS) * weight.double()).backward(
+        torch.stack([t.double() for t in grad_ys]).sum(0))
+    expected = a.grad + grad_h.double()
+    per_row, differences, stats = {}, [], []
+    with forced_table(world_size, "cpu", oneshot_max=4, hiddens=(HIDDEN,)):
+        for first, n in BATCHES:
+            part = slice(first, first + n)
+            tpfuse.reset_stats()
+            grad_input, grad_y_sum = tpfuse.allreduce_rmsnorm_backward(
+                grad_ys[rank][part].contiguous(), norm_input[part].contiguous(), weight, EPS,
+                grad_h[part].contiguous(), group=group)
+            stats.append(tpfuse.stats())
+            per_row[(first, n)] = [(grad_input[i].view(torch.int16).numpy().tobytes(),
+                                    grad_y_sum[i].view(torch.int16).numpy().tobytes()) for i in range(n)]
+            differences.append(((grad_input.double() - expected[part]).abs().max()
+                                 / expected[part].abs().max()).item())
+    comm.destroy()
+    return per_row, differences, stats
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_fused_backward_against_float64_and_the_same_bits_in_any_batch(rank_pool, world_size):
+    seen = {}
+    for rank, (per_row, differences, stats) in enumerate(rank_pool(world_size).run(_fused_backward)):
+        assert all(d < 1e-2 for d in differences), (rank, differences)
+        # the kernels ran every batch: one-shot, two-shot, and fused calls of the workspace's rows
+        assert [next(iter(s)) for s in stats[:2]] == ["triton.oneshot"] * 2, stats
+        assert all("reference" not in s for s in stats), stats
+        for (first, n), rows in per_row.items():
+            for i, bits in enumerate(rows):
+                assert seen.setdefault(first + i, bits) == bits, (rank, first, n, i)
+
+
+def _partial_y_grad(rank, world_size):
+    """The op under autograd with y's gradient each rank's part (``y_grad="partial"``) against the same
+    call given the summed gradient (``y_grad="replicated"``), and against float64."""
+    import torch.distributed as dist
+
+    import tpfuse
+
+    tpfuse.get_communicator(max_tokens=16, hidden=HIDDEN)
+    inputs = _inputs("bias", world_size)
+    g = torch.Generator().manual_seed(5)
+    parts = [torch.randn(ROWS, HIDDEN, generator=g).bfloat16() for _ in range(world_size)]
+    total = torch.stack([p.float() for p in parts]).sum(0).bfloat16()
+    got = {}
+    for y_grad, g_y in (("partial", parts[rank]), ("replicated", total)):
+        leaves = {k: t.clone().requires_grad_() for k, t in
+                  (("x", inputs["xs"][rank]), ("residual", inputs["residual"]), ("weight", inputs["weight"]),
+                   ("bias", inputs["bias"]))}
+        y, h = tpfuse.allreduce_add_rmsnorm(leaves["x"], leaves["residual"], leaves["weight"], EPS,
+                                            bias=leaves["bias"], y_grad=y_grad)
+        torch.autograd.backward([y, h], [g_y, inputs["g_h"]])
+        got[y_grad] = {k: t.grad.float() for k, t in leaves.items()}
+    inputs = dict(inputs, g_y=total)
+    expected = _float64_gradients(inputs, rank)
+    difference = {k: ((got["partial"][k].double() - e).abs().max() / e.abs().max()).item()
+                  for k, e in expected.items()}
+    dist.barrier()
+    return difference, {k: t.numpy().tobytes() for k, t in got["partial"].items()}
+
+
+def test_a_partial_y_gradient_is_summed_in_the_fused_backward(rank_pool):
+    results = rank_pool(2).run(_partial_y_grad)
+    for difference, _ in results:
+        assert all(d < 1e-2 for d in difference.values()), difference
+    assert results[0][1] == results[1][1]  # every rank the same gradients

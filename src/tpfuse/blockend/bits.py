@@ -46,9 +46,11 @@ OUTPUT_SHIFT, SCALE_GROUP_SHIFT = 15, 19
 FLAGS_OUTPUT, FLAGS_SCALE_GROUP = 0xF << OUTPUT_SHIFT, 0xF << SCALE_GROUP_SHIFT
 EXPERTS_SHIFT = 24
 #: The largest K the descriptor holds: its flags end at bit 28 (15 bits in word 3, 14 beside the region's
-#: top bit in the last word). Bit 23 is free.
+#: top bit in the last word).
 MAX_EXPERTS = 31
 FLAGS_EXPERTS = MAX_EXPERTS << EXPERTS_SHIFT
+#: The norm's backward in place of the norm (``Epilogue.norm_input``): bit 23.
+FLAG_NORM_BACKWARD = 1 << 23
 #: The last bit a descriptor carries.
 MAX_FLAG_BIT = 28
 #: What ``blockend.call.explain_flags`` says of each bit (the output format's bits say their own words).
@@ -57,7 +59,7 @@ EXPLAINED_FLAGS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYE
               (FLAG_NO_NORM, "no norm"), (FLAG_MOE_FINALIZE, "MoE finalize"),
               (FLAGS_EXPERTS, lambda flags: f"{(flags & FLAGS_EXPERTS) >> EXPERTS_SHIFT} experts a token"),
               (FLAG_TOPK_WEIGHTS, "topk_weights"), (FLAG_SHARED_EXPERT, "shared expert"),
-              (FLAG_NORMED_COPY, "a copy of the norm's output"))
+              (FLAG_NORMED_COPY, "a copy of the norm's output"), (FLAG_NORM_BACKWARD, "RMSNorm's backward"))
 
 
 def describe_call(n_tokens: int, hidden: int, flags: int, call: int, region_elems: int) -> list[int]:

@@ -62,6 +62,7 @@ from tpfuse.blockend.stages import (
     Norm,
     NormedCopy,
     PostNorm,
+    RmsNormBackward,
 )
 
 
@@ -114,6 +115,12 @@ class Epilogue:
         elements, written to ``FusedCall.scales``; ``FP4_NONE``: no fp4.
     global_scale : Tensor [1] float32 or None
         NVFP4's global scale ``g`` (``y`` is coded as ``y * g``; vLLM's ``input_global_scale``).
+    norm_input : Tensor [T, H] or None
+        RMSNorm's backward in place of the norm (``stages.RmsNormBackward``): x holds each rank's part of
+        the gradient of a norm's output, ``norm_input`` the h that norm's forward returned, and ``y``
+        becomes the gradient of ``norm_input`` plus ``grad_h``; ``h``, the summed gradient.
+    grad_h : Tensor [T, H] or None
+        With ``norm_input``: the gradient reaching the norm's input by the residual stream, added.
     """
 
     quant_scale: torch.Tensor | None = None
@@ -131,6 +138,8 @@ class Epilogue:
     scale_layout: int = SCALES_ROWS
     fp4: int = FP4_NONE
     global_scale: torch.Tensor | None = None
+    norm_input: torch.Tensor | None = None
+    grad_h: torch.Tensor | None = None
 
     def __post_init__(self):
         # The stages are made (and checked) here, once: a combination that is no block end cannot be built.
@@ -266,7 +275,15 @@ def stages_of(epilogue: Epilogue) -> Stages:
     if epilogue.norm_bias is not None and not epilogue.layer_norm:
         raise ValueError("norm_bias is LayerNorm's bias: pass layer_norm=True with it")
     output = outputs.of(epilogue)
-    if not epilogue.normed:
+    if (epilogue.norm_input is None) != (epilogue.grad_h is None):
+        raise ValueError("RMSNorm's backward takes norm_input (the forward's h) and grad_h together")
+    if epilogue.norm_input is not None:
+        if (finalize is not None or epilogue.bias is not None or epilogue.sum_weight is not None
+                or epilogue.layer_norm or not epilogue.normed or output.quantised or epilogue.normed_copy):
+            raise ValueError("RMSNorm's backward (norm_input, grad_h) is a block end of its own: the sum of "
+                             "the gradient's parts, then the norm's backward; no other step goes with it")
+        norm = RmsNormBackward(epilogue.norm_input, epilogue.grad_h)
+    elif not epilogue.normed:
         if epilogue.layer_norm:
             raise ValueError("layer_norm with normed=False: a call without a norm has no LayerNorm")
         if output.quantised:
@@ -300,6 +317,7 @@ class Switches(NamedTuple):
     TOPK_WEIGHTS: bool  # the finalize weights the experts' outputs
     SHARED_EXPERT: bool  # a shared expert's output is added to this rank's part
     NORMED_COPY: bool  # the norm's output also stored in x's dtype (steps.normed)
+    NORM_BACKWARD: bool  # y is RMSNorm's backward at steps.norm_input, plus steps.grad_h
     # y's format, from ``blockend.outputs``:
     QUANT: int  # QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC, QUANT_NVFP4 or QUANT_MXFP4
     SCALE_GROUP: int  # dynamic fp8: elements a scale, or 0 for one scale a token

@@ -12,10 +12,12 @@ every rank's ``x`` receives the gradient of the sum. With ``r = rsqrt(mean(h * h
     g_bias = sum over rows of g_t;  g_x = g_t (or through the MoE finalize);  g_residual = g_h'
     g_topk_weights = sum over H of x_k * g_t   # this rank's part: the caller sums the ranks' parts
 
-Every step is in fp32 and row by row (the rows' reductions have the shapes of the forward's,
-``stages.row_mean``), so a row's gradients depend on its own inputs only; the weights' and biases'
-gradients sum over rows. Quantised outputs have no gradient. This module needs no process group: the
-post-norm's input, which the forward does not keep, is handed in by the caller (``ops.gradient``).
+Where the gradient reaching ``y`` is each rank's part instead (``y_grad="partial"``), its sum and the
+norm's backward are one fused call (``stages.RmsNormBackward``) and the rest starts from its result
+(:func:`sum_backward`). Every step is in fp32 and row by row (the rows' reductions have the shapes of
+the forward's, ``stages.row_mean``), so a row's gradients depend on its own inputs only; the weights'
+and biases' gradients sum over rows. Quantised outputs have no gradient. This module needs no process
+group: the post-norm's input, which the forward does not keep, is handed in by the caller (``ops.gradient``).
 """
 
 from __future__ import annotations
@@ -49,31 +51,47 @@ def block_end_backward(epilogue: Epilogue, x: torch.Tensor, h: torch.Tensor, wei
     """
     if epilogue.quantised:
         raise ValueError("a quantised y has no gradient: run the block end unquantised where it trains")
-    stages = epilogue.stages
-    with torch.enable_grad():
-        g_rows = g_h.float()
-        grads = {}
-        if epilogue.normed:
+    grads = {}
+    g_rows = g_h.float()
+    if epilogue.normed:
+        with torch.enable_grad():
             rows, gain = _leaf(h), _leaf(weight)
-            norm_bias = _leaf(getattr(stages.norm, "norm_bias", None))
+            norm_bias = _leaf(getattr(epilogue.stages.norm, "norm_bias", None))
             y = rmsnorm(rows - row_mean(rows), eps) if epilogue.layer_norm else rmsnorm(rows, eps)
             y = y * gain + (norm_bias if norm_bias is not None else 0)
             g_in, grads["weight"], grads["norm_bias"] = _grad(y, [rows, gain, norm_bias], g_y.float())
-            g_rows = g_rows + g_in
-        grads["residual"] = g_rows
-        g_t = g_rows
-        if stages.post_norm is not None:
-            if post_norm_input is None:
-                raise ValueError("a post-norm's gradient needs its input (sum + bias)")
+        g_rows = g_rows + g_in
+    return grads | sum_backward(epilogue, x, g_rows, eps, post_norm_input)
+
+
+def rmsnorm_weight_grad(h: torch.Tensor, g_y: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's weight gradient, fp32: the sum over rows of ``g_y * h * r`` (``h`` the norm's input,
+    ``g_y`` the gradient of its output, summed over the ranks)."""
+    rows = h.float()
+    return (g_y.float() * rmsnorm(rows, eps)).sum(0)
+
+
+def sum_backward(epilogue: Epilogue, x: torch.Tensor, g_rows: torch.Tensor, eps: float,
+                 post_norm_input: torch.Tensor | None = None) -> dict:
+    """The gradients of what comes before the residual add, fp32, from ``g_rows`` (the gradient of h,
+    the norm's part included): ``residual``, the post-norm's ``sum_weight``, ``bias``, ``x`` and the MoE
+    finalize's ``topk_weights`` (this rank's part) and ``shared_expert``."""
+    stages = epilogue.stages
+    grads = {"residual": g_rows}
+    g_t = g_rows
+    if stages.post_norm is not None:
+        if post_norm_input is None:
+            raise ValueError("a post-norm's gradient needs its input (sum + bias)")
+        with torch.enable_grad():
             t, gain = _leaf(post_norm_input), _leaf(stages.post_norm.sum_weight)
             g_t, grads["sum_weight"] = _grad(rmsnorm(t, eps) * gain, [t, gain], g_rows)
-        if stages.bias is not None:
-            grads["bias"] = g_t.sum(0)
-        finalize = stages.finalize
-        if finalize is None:
-            grads["x"] = g_t
-        else:
-            grads["x"], grads["topk_weights"], grads["shared_expert"] = _finalize_backward(finalize, x, g_t)
+    if stages.bias is not None:
+        grads["bias"] = g_t.sum(0)
+    finalize = stages.finalize
+    if finalize is None:
+        grads["x"] = g_t
+    else:
+        grads["x"], grads["topk_weights"], grads["shared_expert"] = _finalize_backward(finalize, x, g_t)
     return grads
 
 

@@ -7,6 +7,7 @@ these stages, in the order the kernels apply them::
     Bias(bias)                                       + bias after the sum, or none
     PostNorm(sum_weight)                             rmsnorm(s) * sum_weight before the residual add, or none
     RmsNorm() | LayerNorm(norm_bias) | NoNorm()      y from the rounded h; NoNorm: the call ends at h
+      | RmsNormBackward(norm_input, grad_h)          y: the norm's backward, h the summed gradient of its y
     Output (blockend.outputs)                        y unquantised, fp8 (static, dynamic), NVFP4, MXFP4
     NormedCopy()                                     the norm's output beside a quantised y, or none
 
@@ -254,10 +255,11 @@ class PostNorm(_RowStage):
 
 
 class Norm(Stage):
-    """How ``y`` is made from the rounded ``h``: :class:`RmsNorm`, :class:`LayerNorm` or :class:`NoNorm`."""
+    """How ``y`` is made from the rounded ``h``: :class:`RmsNorm`, :class:`LayerNorm`, :class:`NoNorm` or
+    :class:`RmsNormBackward`."""
 
-    keywords: ClassVar[tuple] = ("layer_norm", "norm_bias", "normed")
-    off: ClassVar[dict] = dict(NORMED=True, LAYER_NORM=False, HAS_NORM_BIAS=False)
+    keywords: ClassVar[tuple] = ("layer_norm", "norm_bias", "normed", "norm_input", "grad_h")
+    off: ClassVar[dict] = dict(NORMED=True, LAYER_NORM=False, HAS_NORM_BIAS=False, NORM_BACKWARD=False)
     #: Whether ``y`` is written (NoNorm: the call ends at ``h``; the weight and eps are not read).
     normed: ClassVar[bool] = True
 
@@ -287,7 +289,7 @@ class LayerNorm(Norm):
         return bits.FLAG_LAYER_NORM | (bits.FLAG_NORM_BIAS if self.norm_bias is not None else 0)
 
     def switches(self, hidden):
-        return dict(NORMED=True, LAYER_NORM=True, HAS_NORM_BIAS=self.norm_bias is not None)
+        return {**self.off, "LAYER_NORM": True, "HAS_NORM_BIAS": self.norm_bias is not None}
 
     @property
     def signature(self):
@@ -312,7 +314,42 @@ class NoNorm(Norm):
         return bits.FLAG_NO_NORM
 
     def switches(self, hidden):
-        return dict(NORMED=False, LAYER_NORM=False, HAS_NORM_BIAS=False)
+        return {**self.off, "NORMED": False}
+
+
+@dataclass(frozen=True, eq=False)
+class RmsNormBackward(Norm):
+    """RMSNorm's backward in the norm's place: the call's x holds each rank's part of the gradient of a
+    norm's output, the sum (the call's ``h``, rounded) is that gradient, and
+
+        y = grad_h + r * (h * w - norm_input * mean(h * w * norm_input) * r * r),
+        r = rsqrt(mean(norm_input * norm_input) + eps)
+
+    is the gradient of the norm's input ``norm_input`` [T, H] (the h its forward returned) plus ``grad_h``
+    [T, H] (the gradient reaching it by the residual stream), in x's dtype. The backward of a
+    block end whose next layer hands back a partial gradient: one all-reduce and the norm's backward in
+    one kernel (docs/training.md)."""
+
+    norm_input: torch.Tensor
+    grad_h: torch.Tensor
+
+    per_row: ClassVar[tuple] = ("norm_input", "grad_h")
+
+    def flags(self, hidden):
+        return bits.FLAG_NORM_BACKWARD
+
+    def switches(self, hidden):
+        return {**self.off, "NORM_BACKWARD": True}
+
+    def check(self, x, shape, device):
+        check_like_rows("norm_input", self.norm_input, shape, device, x.dtype)
+        check_like_rows("grad_h", self.grad_h, shape, device, x.dtype)
+
+    def reference(self, h, weight, eps):
+        a = self.norm_input.to(h.dtype)
+        r = torch.rsqrt(row_mean(a * a) + eps)
+        gw = h * weight.to(h.dtype)
+        return self.grad_h.to(h.dtype) + r * (gw - a * row_mean(gw * a) * r * r)
 
 
 @dataclass(frozen=True, eq=False)

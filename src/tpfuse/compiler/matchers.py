@@ -608,6 +608,8 @@ def _stage_matchers() -> dict:
         stages.LayerNorm: match_layernorm,
         # No norm after the sum: the plain all-reduce (patterns.plain_all_reduce_problem).
         stages.NoNorm: None,
+        # No graph matcher yet: the backward graphs' norm backward is not matched (docs/training.md).
+        stages.RmsNormBackward: None,
         output_formats.Unquantised: None,  # the norm's output is y
         output_formats.StaticFp8: match_static_fp8,
         output_formats.DynamicFp8: match_dynamic_fp8,

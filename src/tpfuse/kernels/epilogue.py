@@ -105,11 +105,18 @@ def _store_normed(h, params, y_ptr, steps, row, offs, mask, hidden, eps, STEPS: 
                   BLOCK_H: tl.constexpr):
     """The norm of an fp32 row ``h`` (masked columns zero), stored in y's dtype or quantised (y_ptr then
     bytes): static or dynamic fp8 (:func:`_store_fp8`), NVFP4 or MXFP4 (:func:`_store_fp4`); with
-    NORMED_COPY also unquantised in ``steps.normed``."""
+    NORMED_COPY also unquantised in ``steps.normed``. With NORM_BACKWARD, RMSNorm's backward instead
+    (``stages.RmsNormBackward``)."""
     QUANT: tl.constexpr = STEPS.QUANT
     if not STEPS.NORMED:
         return
-    if STEPS.LAYER_NORM:
+    if STEPS.NORM_BACKWARD:  # h: the summed gradient of a norm's output; y: the gradient of its input
+        a = tl.load(steps.norm_input + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(a * a, axis=0) / hidden + eps)
+        gw = h * params.weight
+        y = tl.load(steps.grad_h + offs, mask=mask, other=0.0).to(tl.float32) + r * (
+            gw - a * (tl.sum(gw * a, axis=0) / hidden) * r * r)
+    elif STEPS.LAYER_NORM:
         centred = tl.where(mask, h - tl.sum(h, axis=0) / hidden, 0.0)
         y = _rmsnorm(centred, hidden, eps) * params.weight + params.norm_bias
     else:

@@ -6,8 +6,9 @@ from tpfuse.ops.allreduce_add_rmsnorm import (
                                               allreduce_add_rmsnorm,
                                               allreduce_add_rmsnorm_dynamic_fp8,
                                               allreduce_add_rmsnorm_quant,
+                                              allreduce_rmsnorm_backward,
 )
 from tpfuse.ops.quantize import quantize_fp4
 
 __all__ = ["QuantizedOutputs", "all_reduce", "allreduce_add_rmsnorm", "allreduce_add_rmsnorm_dynamic_fp8",
-           "allreduce_add_rmsnorm_quant", "quantize_fp4"]
+           "allreduce_add_rmsnorm_quant", "allreduce_rmsnorm_backward", "quantize_fp4"]

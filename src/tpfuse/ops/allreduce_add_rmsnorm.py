@@ -240,6 +240,7 @@ def allreduce_add_rmsnorm(
     norm_bias: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
     shared_expert: torch.Tensor | None = None,
+    y_grad: str = "replicated",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum ``x`` over the ranks of ``group``, add ``residual``, apply RMSNorm: one fused call.
 
@@ -286,6 +287,11 @@ def allreduce_add_rmsnorm(
     shared_expert : Tensor [T, H], optional
         This rank's part of a shared expert's output (or any second partial sum), added to its part of
         x before the all-reduce; x's dtype.
+    y_grad : {"replicated", "partial"}
+        Under autograd, what the gradient reaching ``y`` is: the same on every rank (the next layer has
+        summed it), or each rank's part of it (the next column-parallel layer's input gradient, not yet
+        summed): then the backward sums it in one fused call with the norm's backward
+        (:func:`allreduce_rmsnorm_backward`). Every input's gradient: docs/training.md.
 
     Returns
     -------
@@ -306,7 +312,7 @@ def allreduce_add_rmsnorm(
                                                      shared_expert)):
         if out is not None or residual_out is not None:
             raise ValueError("out and residual_out take no gradient: leave them out where the call trains")
-        return block_end_with_gradient(x, residual, weight, eps, group_name, epilogue)
+        return block_end_with_gradient(x, residual, weight, eps, group_name, epilogue, y_grad)
     if out is None and residual_out is None:
         if _through_the_op(x):
             return torch.ops.tpfuse.allreduce_add_rmsnorm(x, residual, weight, eps, group_name,
@@ -320,6 +326,54 @@ def allreduce_add_rmsnorm(
                                                        **epilogue.kwargs())
             return y, h
     route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, epilogue))
+    return y, h
+
+
+def allreduce_rmsnorm_backward(
+    grad_y: torch.Tensor,
+    norm_input: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    grad_h: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block end's backward in one fused call: sum ``grad_y`` over the ranks, RMSNorm's backward, add
+    ``grad_h``.
+
+    With ``g = sum_ranks(grad_y)`` (fp32, in rank order, rounded once) and ``r = rsqrt(mean(a * a) + eps)``
+    for ``a = norm_input``: ``grad_input = grad_h + r * (g * w - a * mean(g * w * a) * r * r)``. The same
+    kernels, workspace and rules as :func:`allreduce_add_rmsnorm` (every rank gets the same bits; a row's
+    results do not depend on the other rows).
+
+    Parameters
+    ----------
+    grad_y : Tensor [T, H]
+        This rank's part of the gradient of the norm's output (bfloat16, float16 or float32,
+        contiguous): what a column-parallel layer's backward gives for its input.
+    norm_input : Tensor [T, H]
+        The norm's input: the ``h`` the forward returned; grad_y's dtype.
+    weight : Tensor [H]
+        The norm's gain.
+    eps : float
+    grad_h : Tensor [T, H]
+        The gradient reaching ``norm_input`` by the residual stream (the same on every rank).
+    group : ProcessGroup, optional
+        The default group when None.
+
+    Returns
+    -------
+    (grad_input, grad_y_sum) : tuple of Tensor [T, H]
+        The gradient of ``norm_input`` (grad_h included) and ``g``, the summed gradient of the norm's
+        output (for the weight's gradient: ``sum over rows of g * a * r``).
+    """
+    epilogue = Epilogue(norm_input=norm_input, grad_h=grad_h)
+    check_inputs(grad_y, None, weight, eps, epilogue)
+    group_name = group_name_of(group)
+    if _through_the_op(grad_y):
+        return torch.ops.tpfuse.allreduce_add_rmsnorm(grad_y, None, weight, eps, group_name, **epilogue.kwargs())
+    y, h = _outputs(grad_y, epilogue)
+    route_of(group_name).run(FusedCall(grad_y, None, weight, eps, y, h, epilogue))
     return y, h
 
 

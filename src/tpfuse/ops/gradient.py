@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tpfuse.blockend.epilogue import Epilogue
-from tpfuse.blockend.gradient import block_end_backward
+from tpfuse.blockend.gradient import block_end_backward, rmsnorm_weight_grad, sum_backward
 from tpfuse.blockend.reference import rank_part
 from tpfuse.ops.route import group_by_name
 
@@ -28,13 +28,14 @@ def requires_grad(*tensors) -> bool:
 
 class _BlockEnd(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group_name, eps, layer_norm, x, residual, weight, *steps):
+    def forward(ctx, group_name, eps, layer_norm, y_grad_partial, x, residual, weight, *steps):
         named = dict(zip(_STEP_TENSORS, steps))
         epilogue = Epilogue(layer_norm=layer_norm, experts=x.shape[1] if x.dim() == 3 else 0, **named)
         y, h = torch.ops.tpfuse.allreduce_add_rmsnorm(x, residual, weight, eps, group_name,
                                                       **epilogue.kwargs())
         ctx.save_for_backward(x, h, weight, *steps)
         ctx.group_name, ctx.eps, ctx.layer_norm = group_name, eps, layer_norm
+        ctx.y_grad_partial = y_grad_partial
         ctx.has_residual = residual is not None
         return y, h
 
@@ -51,7 +52,15 @@ class _BlockEnd(torch.autograd.Function):
             post_norm_input = post_norm_input.float()
             if epilogue.bias is not None:
                 post_norm_input = post_norm_input + epilogue.bias.float()
-        grads = block_end_backward(epilogue, x, h, weight, ctx.eps, g_y, g_h, post_norm_input)
+        if ctx.y_grad_partial:
+            # g_y is this rank's part: its sum and the norm's backward (+ g_h) in one fused call
+            g_rows, g_y_sum = torch.ops.tpfuse.allreduce_add_rmsnorm(
+                g_y.to(x.dtype).contiguous(), None, weight, ctx.eps, ctx.group_name, norm_input=h,
+                grad_h=g_h.to(x.dtype).contiguous())
+            grads = {"weight": rmsnorm_weight_grad(h, g_y_sum, ctx.eps)}
+            grads |= sum_backward(epilogue, x, g_rows.float(), ctx.eps, post_norm_input)
+        else:
+            grads = block_end_backward(epilogue, x, h, weight, ctx.eps, g_y, g_h, post_norm_input)
         if grads.get("topk_weights") is not None:
             # The weights are the same on every rank, each rank's experts' outputs its part of the sum: the
             # weights' gradient is the sum of every rank's part.
@@ -61,7 +70,8 @@ class _BlockEnd(torch.autograd.Function):
                   **{name: None if t is None else t.dtype for name, t in named.items()}}
         out = {name: None if dtype is None or grads.get(name) is None else grads[name].to(dtype)
                for name, dtype in dtypes.items()}
-        return (None, None, None, out["x"], out["residual"], out["weight"], *(out[n] for n in _STEP_TENSORS))
+        return (None, None, None, None, out["x"], out["residual"], out["weight"],
+                *(out[n] for n in _STEP_TENSORS))
 
 
 def _sum_in_rank_order(t: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -76,14 +86,28 @@ def _sum_in_rank_order(t: torch.Tensor, group_name: str) -> torch.Tensor:
     return total
 
 
-def block_end_with_gradient(x, residual, weight, eps, group_name: str, epilogue: Epilogue):
+#: What the gradient reaching y is (``allreduce_add_rmsnorm``'s ``y_grad``): the same on every rank, or each
+#: rank's part of it (the next column-parallel layer's input gradient, not yet summed).
+Y_GRADS = ("replicated", "partial")
+
+
+def block_end_with_gradient(x, residual, weight, eps, group_name: str, epilogue: Epilogue,
+                            y_grad: str = "replicated"):
     """``(y, h)`` of a checked call whose inputs require a gradient: differentiable in x, the residual, the
-    weight and the block end's tensors. ValueError for a quantised block end."""
+    weight and the block end's tensors. ``y_grad="partial"``: the backward sums y's gradient over the
+    ranks, fused with the norm's backward. ValueError for a quantised block end, or a partial gradient
+    through LayerNorm."""
     if epilogue.quantised:
         raise ValueError("a quantised y has no gradient: call the block end unquantised where it trains "
                          "(or under torch.no_grad())")
+    if y_grad not in Y_GRADS:
+        raise ValueError(f"y_grad must be one of {Y_GRADS}, got {y_grad!r}")
+    if y_grad == "partial" and epilogue.layer_norm:
+        raise ValueError("y_grad='partial' fuses RMSNorm's backward: LayerNorm's is not fused; sum y's "
+                         "gradient before the block end (y_grad='replicated')")
     steps = [getattr(epilogue, name) for name in _STEP_TENSORS]
-    return _BlockEnd.apply(group_name, eps, epilogue.layer_norm, x, residual, weight, *steps)
+    return _BlockEnd.apply(group_name, eps, epilogue.layer_norm, y_grad == "partial", x, residual, weight,
+                           *steps)
 
 
 class _AllReduce(torch.autograd.Function):
