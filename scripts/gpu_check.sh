@@ -40,8 +40,8 @@ host_cost() {
 # `one-gpu`: what one GPU can show. The fast lane on the GPU (kernels compiled for it: the compile
 # test, the one-GPU kernel tests, world size 1, two ranks sharing the GPU reducing rows in batches),
 # two ranks sharing the GPU (GPU us a call), batch-invariant mode's gathered path beside the reference
-# path, and the host us a call of the launchers and the eager op (two ranks on the GPU) beside torch's
-# chain.
+# path, a block end's backward fused against unfused, and the host us a call of the launchers and the
+# eager op (two ranks on the GPU) beside torch's chain.
 if [ "$MODE" = one-gpu ]; then
   echo "== one GPU: the fast lane, kernels compiled for this GPU =="
   # A fresh machine compiles every kernel first: 2026-12-07 on one H100 that ran past 300 s (302 tests
@@ -53,6 +53,9 @@ if [ "$MODE" = one-gpu ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   echo "== batch-invariant mode: the gathered path's block end beside the reference path's (GPU us) =="
   timeout 120 python3 scripts/batch_invariant_cost.py 2>&1 | tee "$OUT/batch-invariant.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  echo "== a block end's backward fused against unfused: two ranks on one GPU (GPU us) =="
+  timeout 240 python3 scripts/backward_latency.py 2>&1 | tee "$OUT/backward.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   host_cost
   exit $status
