@@ -15,7 +15,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tpfuse import _stats
 from tpfuse.comm.communicator import fusion_signature, lookup_communicator
-from tpfuse.compiler import vllm_sites
+from tpfuse.compiler import backward_sites, vllm_sites
 from tpfuse.compiler.matchers import ALL_REDUCE, WAIT, meta_val
 from tpfuse.compiler.patterns import (
     PATTERNS,
@@ -148,7 +148,8 @@ class FusionPass(CustomGraphPass):
 
     _source_hash = hashlib.sha256(b"".join(
         (pathlib.Path(__file__).parent / name).read_bytes()
-        for name in ("fusion_pass.py", "patterns.py", "matchers.py", "sizes.py", "vllm_sites.py")
+        for name in ("fusion_pass.py", "patterns.py", "matchers.py", "sizes.py", "vllm_sites.py",
+                     "backward_sites.py")
     )).hexdigest()
 
     def __init__(self, max_tokens: int | None = None, token_bounds: dict[str, int] | None = None,
@@ -218,6 +219,8 @@ class FusionPass(CustomGraphPass):
                     break
                 refused = refused or (pattern.name, reason)
             else:
+                if refused is None and self._fuse_backward_site(graph, node, entries, merged):
+                    continue
                 pattern_name, reason = refused or (None, unmatched_reason(node))
                 entries.append((SiteReport(shape, dtype, group_name, False, pattern_name, reason), node))
         # A site that a later one took in as its second branch is reported with that one only.
@@ -232,6 +235,24 @@ class FusionPass(CustomGraphPass):
         bounds = ", ".join(f"{k} <= {v}" for k, v in self.token_bounds.items()) or (
             f"tokens <= {self.max_tokens}" if self.max_tokens else "static token counts")
         report_graph(sites, bounds)
+
+    def _fuse_backward_site(self, graph: torch.fx.Graph, node: torch.fx.Node, entries: list,
+                            merged: set) -> bool:
+        """Fuse the backward block end that starts at ``node`` (``compiler.backward_sites``), if there is one
+        and it may fuse: its all-reduces' reports go to ``entries``, the others it takes in to ``merged``."""
+        match, _ = backward_sites.find_site(node)
+        if match is None:
+            return False
+        limit = self._fusion_limit(match.group_name, match.hidden, meta_val(match.total).dtype)
+        if backward_sites.problem(match, self._token_bound, limit) is not None:
+            return False
+        if str(match.tokens) in self.token_bounds:
+            _bounds_relied_on[self._tag].add(str(match.tokens))
+        entries += [(SiteReport(*_describe(n), True, backward_sites.PATTERN), None)
+                    for n in match.all_reduces]
+        merged.update(match.all_reduces[1:])
+        backward_sites.replace(graph, match)
+        return True
 
     def _fuse_vllm_site(self, node: torch.fx.Node) -> tuple[SiteReport, torch.fx.Node | None]:
         shape, dtype, group_name = vllm_sites.describe(node)

@@ -1,0 +1,63 @@
+"""The backward's block ends (compiler.backward_sites) in one process (a fake process group, no ranks): the
+sum of y's all-reduced gradient parts, RMSNorm's backward in any decomposition, + the residual stream's
+gradient, fuse into one op; a region that computes something else stays unfused. The numerics, and the
+backward graphs AOTAutograd makes of real clients in training: tests/compiler/test_clients.py."""
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from test_patterns_fast import HIDDEN, TOKENS, fake_group, post_grad_pass  # noqa: F401  (the fixture)
+from torch import nn
+
+from tpfuse.compiler import FusionPass
+
+EPS = 1e-5
+OP = torch.ops.tpfuse.allreduce_add_rmsnorm.default
+
+
+class NormBackward(nn.Module):
+    """What a backward graph holds at a block end: two column-parallel layers' input-gradient parts, each
+    all-reduced, summed; RMSNorm's backward at ``a``, written as ``form`` says; + ``g_h``."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.weight = nn.Parameter(torch.randn(HIDDEN).bfloat16())
+
+    def forward(self, p1, p2, a, g_h):
+        group = dist.group.WORLD
+        g = funcol.all_reduce(p1, "sum", group) + funcol.all_reduce(p2, "sum", group)
+        af, gw = a.float(), g.float() * self.weight.float()
+        r = torch.rsqrt(af.pow(2).mean(-1, keepdim=True) + EPS)
+        if self.form == "autograd's":  # torch's decomposition: d/da of (a * r), chain rule by hand
+            d = gw * r + (-0.5 * (gw * af).sum(-1, keepdim=True) * r.pow(3)).expand_as(af) / HIDDEN * (2 * af)
+        elif self.form == "factored":
+            d = r * (gw - af * (gw * af).mean(-1, keepdim=True) * r * r)
+        else:  # "no mean term": not RMSNorm's backward
+            d = r * gw
+        weight_grad = (g.float() * af * r).sum((0, 1))  # reads g besides the norm's backward
+        return g_h + d.to(a.dtype), weight_grad
+
+
+def _graph(form: str):
+    torch.manual_seed(0)
+    rows = [torch.randn(2, TOKENS // 2, HIDDEN).bfloat16() for _ in range(4)]
+    return post_grad_pass(NormBackward(form), *rows, fusion_pass=FusionPass(fusion_limit=16))
+
+
+def test_rmsnorms_backward_in_any_form_fuses_with_the_parts_sum():
+    for form in ("autograd's", "factored"):
+        graph = _graph(form)
+        ops = [n for n in graph.nodes if n.op == "call_function"]
+        fused = [n for n in ops if n.target == OP]
+        assert len(fused) == 1, (form, graph)
+        assert fused[0].args[3] == EPS and {"norm_input", "grad_h"} <= set(fused[0].kwargs), fused[0]
+        # one op where two all-reduces were; the weight's gradient reads the op's sum
+        assert not [n for n in ops if "all_reduce" in str(n.target)], (form, graph)
+        assert not [n for n in ops if n.target == torch.ops.aten.rsqrt.default and
+                    any(u.target == torch.ops.aten.sub.Tensor for u in n.users)], graph
+
+
+def test_a_region_that_is_not_rmsnorms_backward_stays_unfused():
+    graph = _graph("no mean term")
+    assert not [n for n in graph.nodes if n.op == "call_function" and n.target == OP], graph
