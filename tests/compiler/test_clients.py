@@ -424,6 +424,9 @@ def _trained(rank, world_size, client, steps=3):
     grad_difference = {k: ((g - e).abs().max() / e.abs().max()).item()
                        for (k, g), e in zip(first_grads["compiled"].items(), first_grads["eager"].values())}
     reports = [[str(s) for s in graph] for graph in compiled.tpfuse_backend.reports]
+    if client == "dtensor":  # what tpfuse.explain says of training: both graphs
+        torch._dynamo.reset()
+        reports.append(str(tpfuse.explain(build(), _token_ids(batch, 3), backward=True)).splitlines())
     return losses, grad_difference, reports
 
 
@@ -447,7 +450,12 @@ def test_training_compiles_trains_and_fuses_both_directions(rank_pool, client):
         # every parameter's gradient within bf16's noise of eager's (seen: at most 2.2%; 11% with the fused
         # backward's sign of the mean term flipped)
         assert max(grad_difference.values()) < 5e-2, grad_difference
-        forward, backward = reports  # the fused range's forward graph and its backward graph
+        forward, backward, *explained = reports  # the fused range's forward and backward graphs
+        if explained:
+            [lines] = explained
+            assert lines[0].startswith("tpfuse: fused 14 of 16 all-reduce sites;"), lines
+            assert lines[0].endswith("in 2 graph(s)"), lines
+            assert sum("graph 1: " in line and "AllReduceRMSNormBackward" in line for line in lines) == 10
         counts = tuple((sum(": fused (" in line for line in graph), len(graph))
                        for graph in (forward, backward))
         assert counts == TRAINING_SITES[client], reports

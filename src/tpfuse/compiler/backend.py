@@ -563,19 +563,27 @@ class Explanation:
         return "\n".join(lines)
 
 
-def explain(model: torch.nn.Module, *example_args, mode: str | None = None, **example_kwargs) -> Explanation:
+def explain(model: torch.nn.Module, *example_args, mode: str | None = None, backward: bool = False,
+            **example_kwargs) -> Explanation:
     """Compile ``model`` with the fusion, run it once on the example inputs, and say what fused.
 
     Collective like the model's forward: every rank calls it with its inputs (and has called
     ``tpfuse.get_communicator`` first, as for :func:`compile`). Inductor's caches are bypassed so
     the pass runs and reports every site. ``print(tpfuse.explain(model, ids))`` lists each
     all-reduce: its shape, dtype and group, the pattern that fused it, or the reason it stayed unfused.
+    ``backward=True``: as in training, the forward under autograd and a backward of the sum of its
+    floating outputs, so the training forward graph and its backward graph are both reported (the
+    model's parameters receive that stand-in loss's gradients).
     """
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     compiled = compile(model, mode=mode)
-    with (torch.no_grad(), inductor_config.patch(fx_graph_cache=False),
+    with (torch.set_grad_enabled(backward), inductor_config.patch(fx_graph_cache=False),
           functorch_config.patch(enable_autograd_cache=False)):
-        compiled(*example_args, **example_kwargs)
+        out = compiled(*example_args, **example_kwargs)
+        if backward:
+            outputs = [t for t in torch.utils._pytree.tree_leaves(out)
+                       if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+            sum(t.float().sum() for t in outputs).backward()
     return Explanation(compiled.tpfuse_backend.reports)
