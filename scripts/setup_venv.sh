@@ -32,6 +32,13 @@ if ! made .venv "${VENV[*]}" "import tpfuse, torch, triton, pytest, transformers
   new_venv .venv "${VENV[@]}"
   echo "${VENV[*]}" > .venv/.tpfuse-made
 fi
+# torchtitan 0.3.0's own models (tests/compiler/test_torchtitan.py), without the dependencies its trainer
+# needs and its models do not (datasets, wandb, tensorboard, ...): into .venv, once.
+TORCHTITAN=("torchtitan==0.3.0" "spmd_types==0.2.3" "tyro" "docstring_parser")
+if [ "$(cat .venv/.tpfuse-torchtitan 2>/dev/null)" != "${TORCHTITAN[*]}" ]; then
+  .venv/bin/python -m pip install -q --no-deps "${TORCHTITAN[@]}"
+  echo "${TORCHTITAN[*]}" > .venv/.tpfuse-torchtitan
+fi
 NEWEST_TRANSFORMERS=5.24.0
 if [ "${1:-}" = newest-transformers ] && \
     [ "$(cat .venv/transformers-newest/.tpfuse-made 2>/dev/null)" != "$NEWEST_TRANSFORMERS" ]; then
