@@ -398,13 +398,22 @@ def test_parallelize_module_dtensor(rank_pool):
     _assert_fused(rank_pool(2).run(_parallelized_model, timeout=900), sites=5)
 
 
-def _trained(rank, world_size, client, steps=3):
+def _hf_llama(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.bfloat16)
+    model.train()
+    return model
+
+
+def _trained(rank, world_size, client, path=None, steps=3):
     """Losses of a few SGD steps of a client's model (``dtensor``: parallelize_module; ``hooks``: gpt-fast's
     functional all-reduces), eager and under tpfuse.compile (train mode, dynamic sizes); each parameter's
     first gradient, compiled against eager (relative difference); and the compiled run's site reports."""
     tpfuse.get_communicator(max_tokens=LIMIT, hidden=HIDDEN)
     build, batch = {"dtensor": (lambda: _titan_tp(world_size), 2),
-                    "hooks": (lambda: _gpt_fast_tp(rank, world_size), 1)}[client]
+                    "hooks": (lambda: _gpt_fast_tp(rank, world_size), 1),
+                    "hf": (lambda: _hf_llama(path), 2)}[client]
     eager, model = build(), build()
     compiled = tpfuse.compile(model)
     losses, first_grads = {"eager": [], "compiled": []}, {}
@@ -412,7 +421,7 @@ def _trained(rank, world_size, client, steps=3):
         optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
         for step in range(steps):
             ids = _token_ids(batch, 3 + 4 * (step % 2))  # two shapes below the limit: one graph
-            logits = run(ids)
+            logits = getattr(run(ids), "logits", None) if client == "hf" else run(ids)
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
             optimizer.zero_grad()
             loss.backward()
@@ -431,20 +440,24 @@ def _trained(rank, world_size, client, steps=3):
 
 
 # Per client: (fused forward sites of all, fused backward all-reduces of all).
-TRAINING_SITES = {"dtensor": ((4, 5), (10, 11)), "hooks": ((3, 4), (0, 4))}
+TRAINING_SITES = {"dtensor": ((4, 5), (10, 11)), "hooks": ((3, 4), (0, 4)), "hf": ((3, 4), (10, 11))}
 
 
 @pytest.mark.parametrize("client", list(TRAINING_SITES))
-def test_training_compiles_trains_and_fuses_both_directions(rank_pool, client):
-    """torchtitan's plain TP (DTensor) and gpt-fast's hooks in training. The DTensor compile used to fail
-    (RecursionError in torch's tracing of its backward with dynamic sizes) and neither fused a site (the
-    backward's saved rsqrt). Now both train to the eager run's losses. The forward's block ends fuse:
-    every site but the one whose pre-add sum the backward keeps (the second's, one of 5 in DTensor's model;
-    the first's, one of 4 in gpt-fast's). DTensor's backward block ends fuse too (the column-parallel
-    layers' input gradients summed, RMSNorm's backward, + the residual stream's gradient: 10 of its 11
-    all-reduces, all but the output layer's, whose norm has no residual stream after it); gpt-fast's hooks
-    all-reduce the gradients of the row-parallel outputs, which no norm's backward follows."""
-    for losses, grad_difference, reports in rank_pool(2).run(_trained, client, timeout=900):
+def test_training_compiles_trains_and_fuses_both_directions(rank_pool, tmp_path, client):
+    """torchtitan's plain TP (DTensor), gpt-fast's hooks and Hugging Face's Llama under tp_plan="auto" in
+    training. The DTensor compile used to fail (RecursionError in torch's tracing of its backward with
+    dynamic sizes) and none fused a site (the backward's saved rsqrt). Now all train to the eager run's
+    losses and gradients. The forward's block ends fuse: every site but the one whose pre-add sum the
+    backward keeps (one of 5 in DTensor's model, of 4 in gpt-fast's and HF's). The DTensor models'
+    backward block ends fuse too (the column-parallel layers' input gradients summed, RMSNorm's backward,
+    + the residual stream's gradient: 10 of their 11 all-reduces, all but the output layer's, whose norm
+    has no residual stream after it); gpt-fast's hooks all-reduce the gradients of the row-parallel
+    outputs, which no norm's backward follows."""
+    pool = rank_pool(2)
+    if client == "hf":
+        pool.run(_save_hf_model, "Llama", str(tmp_path))
+    for losses, grad_difference, reports in pool.run(_trained, client, str(tmp_path), timeout=900):
         for eager, compiled in zip(losses["eager"], losses["compiled"], strict=True):
             assert abs(eager - compiled) < 2e-2 * abs(eager), losses
         # every parameter's gradient within bf16's noise of eager's (seen: at most 2.2%; 11% with the fused
