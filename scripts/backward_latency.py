@@ -17,7 +17,7 @@ from tpfuse.blockend.epilogue import Epilogue
 from tpfuse.kernels import layout
 from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
 from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
-from tpfuse.testing import local_launch_contexts
+from tpfuse.testing import compile_then_start_afresh, local_launch_contexts
 
 WORLD, EPS = 2, 1e-5
 SUM_ONLY = Epilogue(normed=False)
@@ -71,17 +71,7 @@ def main() -> None:
                     unfused_out[r] = rmsnorm_backward(summed[r].h, a, weight, grad_h)
                 on_ranks(run)
 
-            # Loading a new kernel waits for the device to be idle, so a rank's first launch would wait out
-            # the other's compile: compile both with a short bound (the calls may fail), then start afresh.
-            for ctx in contexts:
-                ctx.wait_limit_ns = 10**6
-            for step in (fused_step, unfused_step):
-                step()
-            torch.cuda.synchronize()
-            for ctx in contexts:
-                ctx.wait_limit_ns = 2 * 10**9
-                ctx.workspace.buffer.fill_(layout.SENTINEL)
-                ctx.workspace.state.zero_()
+            compile_then_start_afresh(contexts, fused_step, unfused_step)
             for call in fused:
                 call.y.fill_(float("nan"))
             fused_step()

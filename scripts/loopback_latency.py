@@ -15,7 +15,7 @@ from tpfuse.bench.providers import ONESHOT_VARIANTS
 from tpfuse.bench.timing import graph_replay_us
 from tpfuse.kernels import layout
 from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
-from tpfuse.testing import local_launch_contexts
+from tpfuse.testing import compile_then_start_afresh, local_launch_contexts
 from tpfuse.testing.cases import Case, check_results
 
 WORLD = 2
@@ -44,18 +44,7 @@ def main() -> None:
                     for stream in streams:
                         here.wait_stream(stream)
 
-                # Loading a new kernel waits for the device to be idle, so each rank's first launch of a
-                # variant would wait out the other's compile: compile both with a short bound first (the
-                # call may fail), then start the workspace afresh. Both bounds fit an int32: Triton
-                # compiles an int64 argument apart, which would load new kernels again.
-                for ctx in contexts:
-                    ctx.wait_limit_ns = 10**6
-                step()
-                torch.cuda.synchronize()
-                for ctx in contexts:
-                    ctx.wait_limit_ns = 2 * 10**9
-                    ctx.workspace.buffer.fill_(layout.SENTINEL)
-                    ctx.workspace.state.zero_()
+                compile_then_start_afresh(contexts, step)
                 for y, h in outputs:
                     y.fill_(float("nan"))
                     h.fill_(float("nan"))

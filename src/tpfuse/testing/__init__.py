@@ -53,9 +53,29 @@ def local_launch_contexts(device, region_elems: int, world_size: int = 1) -> lis
     states = [torch.zeros(layout.STATE_LEN, dtype=torch.int32, device=device) for _ in range(world_size)]
     peer_ptrs = torch.tensor([b.data_ptr() for b in buffers], device=device)
     programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    # A bound under 2**31 ns: Triton compiles an int64 argument apart (see scripts/loopback_latency.py).
+    # A bound under 2**31 ns: Triton compiles an int64 argument apart (compile_then_start_afresh).
     return [layout.LaunchContext(layout.Workspace(region_elems, buffers[r], peer_ptrs, states[r], []), r,
                                  world_size, programs // world_size, 2 * 10**9) for r in range(world_size)]
+
+
+def compile_then_start_afresh(contexts: list, *steps) -> None:
+    """Run each of ``steps`` once on ``contexts`` (:func:`local_launch_contexts`) with a short wait bound,
+    then start their workspaces afresh. Loading a new kernel waits for the device to be idle, so one
+    rank's first launch would wait out the other's compile: the first calls may fail, the next start
+    clean. Both bounds fit an int32 (Triton compiles an int64 argument apart, loading new kernels again)."""
+    import torch
+
+    from tpfuse.kernels import layout
+
+    for ctx in contexts:
+        ctx.wait_limit_ns = 10**6
+    for step in steps:
+        step()
+    torch.cuda.synchronize()
+    for ctx in contexts:
+        ctx.wait_limit_ns = 2 * 10**9
+        ctx.workspace.buffer.fill_(layout.SENTINEL)
+        ctx.workspace.state.zero_()
 
 
 @contextlib.contextmanager
