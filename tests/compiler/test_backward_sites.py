@@ -17,12 +17,12 @@ OP = torch.ops.tpfuse.allreduce_add_rmsnorm.default
 
 class NormBackward(nn.Module):
     """What a backward graph holds at a block end: two column-parallel layers' input-gradient parts, each
-    all-reduced, summed; RMSNorm's backward at ``a``, written as ``form`` says; + ``g_h``."""
+    all-reduced, summed; RMSNorm's backward at ``a``, written as ``form`` says (or a look-alike); + g_h."""
 
-    def __init__(self, form: str):
+    def __init__(self, form: str, hidden: int):
         super().__init__()
-        self.form = form
-        self.weight = nn.Parameter(torch.randn(HIDDEN).bfloat16())
+        self.form, self.hidden = form, hidden
+        self.weight = nn.Parameter(torch.randn(hidden).bfloat16())
 
     def forward(self, p1, p2, a, g_h):
         group = dist.group.WORLD
@@ -30,24 +30,30 @@ class NormBackward(nn.Module):
         af, gw = a.float(), g.float() * self.weight.float()
         r = torch.rsqrt(af.pow(2).mean(-1, keepdim=True) + EPS)
         if self.form == "autograd's":  # torch's decomposition: d/da of (a * r), chain rule by hand
-            d = gw * r + (-0.5 * (gw * af).sum(-1, keepdim=True) * r.pow(3)).expand_as(af) / HIDDEN * (2 * af)
-        elif self.form == "factored":
-            d = r * (gw - af * (gw * af).mean(-1, keepdim=True) * r * r)
-        else:  # "no mean term": not RMSNorm's backward
+            mean_term = (-0.5 * (gw * af).sum(-1, keepdim=True) * r.pow(3)).expand_as(af) / self.hidden
+            d = gw * r + mean_term * (2 * af)
+        elif self.form == "factored":  # the mean as a sum times 1 / H: a small float beside eps
+            d = r * (gw - af * ((gw * af).sum(-1, keepdim=True) * (1.0 / self.hidden)) * r * r)
+        elif self.form == "layer norm":  # LayerNorm's backward: not RMSNorm's
+            c = af - af.mean(-1, keepdim=True)
+            rc = torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + EPS)
+            gc = gw - gw.mean(-1, keepdim=True)
+            d = rc * (gc - c * (gw * c).mean(-1, keepdim=True) * rc * rc)
+        else:  # "no mean term": the first of the two terms autograd may add one at a time
             d = r * gw
         weight_grad = (g.float() * af * r).sum((0, 1))  # reads g besides the norm's backward
         return g_h + d.to(a.dtype), weight_grad
 
 
-def _graph(form: str):
+def _graph(form: str, hidden: int = HIDDEN):
     torch.manual_seed(0)
-    rows = [torch.randn(2, TOKENS // 2, HIDDEN).bfloat16() for _ in range(4)]
-    return post_grad_pass(NormBackward(form), *rows, fusion_pass=FusionPass(fusion_limit=16))
+    rows = [torch.randn(2, TOKENS // 2, hidden).bfloat16() for _ in range(4)]
+    return post_grad_pass(NormBackward(form, hidden), *rows, fusion_pass=FusionPass(fusion_limit=16))
 
 
 def test_rmsnorms_backward_in_any_form_fuses_with_the_parts_sum():
-    for form in ("autograd's", "factored"):
-        graph = _graph(form)
+    for form, hidden in (("autograd's", HIDDEN), ("factored", HIDDEN), ("factored", 4096)):
+        graph = _graph(form, hidden)
         ops = [n for n in graph.nodes if n.op == "call_function"]
         fused = [n for n in ops if n.target == OP]
         assert len(fused) == 1, (form, graph)
@@ -59,5 +65,9 @@ def test_rmsnorms_backward_in_any_form_fuses_with_the_parts_sum():
 
 
 def test_a_region_that_is_not_rmsnorms_backward_stays_unfused():
-    graph = _graph("no mean term")
-    assert not [n for n in graph.nodes if n.op == "call_function" and n.target == OP], graph
+    """Look-alikes that read the same tensors: LayerNorm's backward, and RMSNorm's backward less its mean
+    term, at a small and a large hidden size (where random rows alone would tell them apart poorly)."""
+    for form in ("no mean term", "layer norm"):
+        for hidden in (HIDDEN, 4096):
+            graph = _graph(form, hidden)
+            assert not [n for n in graph.nodes if n.op == "call_function" and n.target == OP], (form, hidden)

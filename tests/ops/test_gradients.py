@@ -160,22 +160,25 @@ def test_gradients_on_three_ranks(rank_pool):
 
 
 def _refusals(rank, world_size):
+    """Quantised calls with inputs that require a gradient run (inference with grad mode on), and a
+    gradient that reaches their outputs raises; out= refuses at once; the plain all-reduce's gradient."""
     import tpfuse
 
     tpfuse.get_communicator(max_tokens=16, hidden=HIDDEN)
     x = torch.randn(4, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.ones(HIDDEN, dtype=torch.bfloat16)
     said = []
-    for call in (lambda: tpfuse.allreduce_add_rmsnorm(x, None, weight, EPS, quant_scale=torch.ones(1)),
-                 lambda: tpfuse.allreduce_add_rmsnorm_quant(x, None, weight, EPS, output="fp8"),
-                 lambda: tpfuse.allreduce_add_rmsnorm(x, None, weight, EPS, out=torch.empty_like(x.detach())),
-                 ):
+    out = torch.empty_like(x.detach())
+    for call in (lambda: tpfuse.allreduce_add_rmsnorm(x, None, weight, EPS, quant_scale=torch.ones(1))[1],
+                 lambda: tpfuse.allreduce_add_rmsnorm_quant(x, None, weight, EPS, output="fp8").residual,
+                 lambda: tpfuse.allreduce_add_rmsnorm(x, None, weight, EPS, out=out)[1]):
         try:
-            call()
+            call().float().sum().backward()
             said.append(None)
         except ValueError as e:
             said.append(str(e))
     # the plain all-reduce: each rank's x receives the sum's gradient
+    x.grad = None
     g = torch.arange(4 * HIDDEN, dtype=torch.float32).reshape(4, HIDDEN).bfloat16()
     total = tpfuse.all_reduce(x)
     total.backward(g)

@@ -6,7 +6,8 @@ those above it in this list::
 
     bits        the numbers: keyword codes, kernel switch codes, the call descriptor's flags word
     codecs      fp8 / e2m1 / e8m0 codes and the orders their scales are placed in
-    stages      the typed stages (Finalize, Bias, PostNorm, RmsNorm / LayerNorm / NoNorm, NormedCopy)
+    stages      the typed stages (Finalize, Bias, PostNorm, RmsNorm / LayerNorm / NoNorm / RmsNormBackward,
+                NormedCopy)
     outputs     y's formats (Unquantised, StaticFp8, DynamicFp8, NvFp4, MxFp4): the last stage
     epilogue    Epilogue (the op's flat keywords), its Stages, the kernels' Switches and StepTensors
     call        FusedCall (one call as one value), its description and the descriptor in words

@@ -167,11 +167,13 @@ def _bounds_relied_on(fusion_pass: FusionPass, gm: torch.fx.GraphModule) -> set[
 
 @contextlib.contextmanager
 def _norms_recomputed_in_backward():
-    """Let AOTAutograd's partitioner recompute a norm's ``rsqrt`` in the backward from what it saves (h)
-    instead of saving it. A saved ``rsqrt`` is a second reader of the norm's inside, where the fused op
-    has none: with it no forward site of a training graph fuses; without it the forward's block ends fuse
-    and the backward's norm recomputes one row reduction (the same ops, the same bits). Training graphs
-    only: inference graphs are not partitioned."""
+    """Let AOTAutograd's partitioner recompute reductions in the backward from what it saves instead of
+    saving their results: above all a norm's ``rsqrt``, from h. A saved ``rsqrt`` is a second reader of the
+    norm's inside, where the fused op has none: with it no forward site of a training graph fuses; without
+    it the forward's block ends fuse and the backward's norm recomputes one row reduction (the same ops,
+    the same bits). The switch is the partitioner's, for the whole graph: it may recompute other cheap
+    reductions too, trading their memory for time as its cost model says. Training graphs only: inference
+    graphs are not partitioned."""
     from torch._functorch import config as functorch_config
 
     if not hasattr(functorch_config, "ban_recompute_reductions"):

@@ -28,7 +28,12 @@ from tpfuse.blockend import bits
 from tpfuse.blockend.call import FusedCall
 from tpfuse.blockend.epilogue import PLAIN, Epilogue, schema
 from tpfuse.blockend.stages import check_experts, check_like_rows, check_row
-from tpfuse.ops.gradient import all_reduce_with_gradient, block_end_with_gradient, requires_grad
+from tpfuse.ops.gradient import (
+    all_reduce_with_gradient,
+    block_end_with_gradient,
+    refusing_gradient,
+    requires_grad,
+)
 from tpfuse.ops.route import group_name_of, route_of
 from tpfuse.targets import fp8_format
 
@@ -306,10 +311,11 @@ def allreduce_add_rmsnorm(
                             topk_weights=topk_weights, shared_expert=shared_expert)
     check_inputs(x, residual, weight, eps, epilogue, out, residual_out)
     group_name = group_name_of(group)
-    # Attribute reads first: the common eager call (no gradient) pays no more than these.
+    # Attribute reads first: the plain eager call (no gradient) pays no more than these.
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or requires_grad(residual, bias, sum_weight, norm_bias, topk_weights,
-                                                     shared_expert)):
+                                    or (residual is not None and residual.requires_grad)
+                                    or (epilogue is not PLAIN and requires_grad(bias, sum_weight, norm_bias,
+                                                                                topk_weights, shared_expert))):
         if out is not None or residual_out is not None:
             raise ValueError("out and residual_out take no gradient: leave them out where the call trains")
         return block_end_with_gradient(x, residual, weight, eps, group_name, epilogue, y_grad)
@@ -506,15 +512,16 @@ def allreduce_add_rmsnorm_quant(
                         ue8m0_scales=ue8m0_scales, scale_layout=SCALE_LAYOUTS[scale_layout], fp4=fp4,
                         global_scale=global_scale)
     check_inputs(x, residual, weight, eps, epilogue)
-    if requires_grad(x, residual, weight, bias, sum_weight, norm_bias, topk_weights, shared_expert):
-        raise ValueError("a quantised y has no gradient: call allreduce_add_rmsnorm (unquantised) where the "
-                         "block end trains, or this one under torch.no_grad()")
     group_name = group_name_of(group)
-    if _through_the_op(x):
-        y, scales, h, normed = torch.ops.tpfuse.allreduce_add_rmsnorm_quant(x, residual, weight, eps, group_name,
-                                                                           **epilogue.kwargs())
-    else:
-        y, scales, h, normed = _run_quant(x, residual, weight, eps, group_name, epilogue)
+
+    def run():
+        if _through_the_op(x):
+            return torch.ops.tpfuse.allreduce_add_rmsnorm_quant(x, residual, weight, eps, group_name,
+                                                                **epilogue.kwargs())
+        return _run_quant(x, residual, weight, eps, group_name, epilogue)
+
+    inputs = (x, residual, weight, bias, sum_weight, norm_bias, topk_weights, shared_expert)
+    y, scales, h, normed = refusing_gradient(run, *inputs) if requires_grad(*inputs) else run()
     return QuantizedOutputs(y, scales if scales.shape[-1] else None, h, normed if normed_copy else None)
 
 
@@ -548,7 +555,7 @@ def all_reduce(x: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> to
     if x.dim() != 2 and x.dim() >= 1:
         return all_reduce(x.reshape(-1, x.shape[-1]), group=group).reshape(x.shape)
     group_name = group_name_of(group)
-    if requires_grad(x):
+    if torch.is_grad_enabled() and x.requires_grad:
         return all_reduce_with_gradient(x, group_name)
     if _through_the_op(x):
         return torch.ops.tpfuse.all_reduce(x, group_name)

@@ -33,7 +33,11 @@ class _BlockEnd(torch.autograd.Function):
         epilogue = Epilogue(layer_norm=layer_norm, experts=x.shape[1] if x.dim() == 3 else 0, **named)
         y, h = torch.ops.tpfuse.allreduce_add_rmsnorm(x, residual, weight, eps, group_name,
                                                       **epilogue.kwargs())
-        ctx.save_for_backward(x, h, weight, *steps)
+        # x's values only where the backward reads them (the post-norm's sum made again, the MoE weights'
+        # gradient); else its shape, not another [T, H] activation kept a block end
+        reads_x = epilogue.stages.post_norm is not None or epilogue.topk_weights is not None
+        ctx.save_for_backward(x if reads_x else None, h, weight, *steps)
+        ctx.x_like = (x.shape, x.dtype)
         ctx.group_name, ctx.eps, ctx.layer_norm = group_name, eps, layer_norm
         ctx.y_grad_partial = y_grad_partial
         ctx.has_residual = residual is not None
@@ -42,6 +46,8 @@ class _BlockEnd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_y, g_h):
         x, h, weight, *steps = ctx.saved_tensors
+        if x is None:  # its shape is all the backward reads of it
+            x = torch.empty(ctx.x_like[0], dtype=ctx.x_like[1], device="meta")
         named = dict(zip(_STEP_TENSORS, steps))
         epilogue = Epilogue(layer_norm=ctx.layer_norm, experts=x.shape[1] if x.dim() == 3 else 0, **named)
         post_norm_input = None
@@ -97,17 +103,40 @@ def block_end_with_gradient(x, residual, weight, eps, group_name: str, epilogue:
     weight and the block end's tensors. ``y_grad="partial"``: the backward sums y's gradient over the
     ranks, fused with the norm's backward. ValueError for a quantised block end, or a partial gradient
     through LayerNorm."""
-    if epilogue.quantised:
-        raise ValueError("a quantised y has no gradient: call the block end unquantised where it trains "
-                         "(or under torch.no_grad())")
     if y_grad not in Y_GRADS:
         raise ValueError(f"y_grad must be one of {Y_GRADS}, got {y_grad!r}")
     if y_grad == "partial" and epilogue.layer_norm:
         raise ValueError("y_grad='partial' fuses RMSNorm's backward: LayerNorm's is not fused; sum y's "
                          "gradient before the block end (y_grad='replicated')")
     steps = [getattr(epilogue, name) for name in _STEP_TENSORS]
+    if epilogue.quantised:  # static fp8 (quant_scale): outputs that refuse a gradient
+        return refusing_gradient(lambda: torch.ops.tpfuse.allreduce_add_rmsnorm(
+            x, residual, weight, eps, group_name, **epilogue.kwargs()), x, residual, weight, *steps)
     return _BlockEnd.apply(group_name, eps, epilogue.layer_norm, y_grad == "partial", x, residual, weight,
                            *steps)
+
+
+class _Refused(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run, *inputs):
+        outputs = tuple(run())
+        ctx.mark_non_differentiable(*[t for t in outputs if t.dtype not in _DIFFERENTIABLE])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise ValueError("tpfuse: a quantised y has no gradient: call the block end unquantised "
+                         "(allreduce_add_rmsnorm without quant_scale) where it trains")
+
+
+_DIFFERENTIABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def refusing_gradient(run, *inputs) -> tuple:
+    """``run()``'s outputs (a quantising call's), connected to ``inputs`` so that a gradient reaching them
+    raises a clear error instead of vanishing: a quantised output has no gradient. Calls that no
+    backward reaches (inference with grad mode on) run as without autograd."""
+    return _Refused.apply(run, *inputs)
 
 
 class _AllReduce(torch.autograd.Function):
