@@ -170,7 +170,7 @@ def _refusals(rank, world_size):
     said = []
     out = torch.empty_like(x.detach())
     for call in (lambda: tpfuse.allreduce_add_rmsnorm(x, None, weight, EPS, quant_scale=torch.ones(1))[1],
-                 lambda: tpfuse.allreduce_add_rmsnorm_quant(x, None, weight, EPS, output="fp8").residual,
+                 lambda: tpfuse.allreduce_add_rmsnorm_quant(x, None, weight, EPS, output="fp8").h,
                  lambda: tpfuse.allreduce_add_rmsnorm(x, None, weight, EPS, out=out)[1]):
         try:
             call().float().sum().backward()
