@@ -28,11 +28,13 @@ class NormBackward(nn.Module):
         group = dist.group.WORLD
         g = funcol.all_reduce(p1, "sum", group) + funcol.all_reduce(p2, "sum", group)
         af, gw = a.float(), g.float() * self.weight.float()
+        if self.form == "weight in bf16":  # as Hugging Face's RMSNorm applies it, and so its backward
+            gw = (g * self.weight).float()
         r = torch.rsqrt(af.pow(2).mean(-1, keepdim=True) + EPS)
         if self.form == "autograd's":  # torch's decomposition: d/da of (a * r), chain rule by hand
             mean_term = (-0.5 * (gw * af).sum(-1, keepdim=True) * r.pow(3)).expand_as(af) / self.hidden
             d = gw * r + mean_term * (2 * af)
-        elif self.form == "factored":  # the mean as a sum times 1 / H: a small float beside eps
+        elif self.form in ("factored", "weight in bf16"):  # the mean as a sum times 1 / H: a small float
             d = r * (gw - af * ((gw * af).sum(-1, keepdim=True) * (1.0 / self.hidden)) * r * r)
         elif self.form == "layer norm":  # LayerNorm's backward: not RMSNorm's
             c = af - af.mean(-1, keepdim=True)
@@ -52,7 +54,8 @@ def _graph(form: str, hidden: int = HIDDEN):
 
 
 def test_rmsnorms_backward_in_any_form_fuses_with_the_parts_sum():
-    for form, hidden in (("autograd's", HIDDEN), ("factored", HIDDEN), ("factored", 4096)):
+    for form, hidden in (("autograd's", HIDDEN), ("factored", HIDDEN), ("factored", 4096),
+                         ("weight in bf16", 4096)):
         graph = _graph(form, hidden)
         ops = [n for n in graph.nodes if n.op == "call_function"]
         fused = [n for n in ops if n.target == OP]
