@@ -55,6 +55,7 @@ class BackwardMatch:
     """A backward block end found by :func:`find_site`."""
 
     all_reduces: list[Node]  # the parts' all-reduces, the first one the site's
+    adds: list[Node]  # the adds that sum their waits into g (g itself where there are several)
     parts: list[Node]  # their inputs: each rank's parts of y's gradient
     group_name: str
     total: Node  # g: the sum of the all-reduced parts
@@ -74,34 +75,34 @@ class BackwardMatch:
         return token_count(meta_val(self.total).shape)
 
 
-def _summed_waits(node: object, group_name: str) -> list[Node] | None:
-    """The all-reduces of ``group_name`` whose waits ``node`` adds up (a wait, or adds of waits); None if it
-    is anything else."""
+def _summed_waits(node: object, group_name: str) -> tuple[list[Node], list[Node]] | None:
+    """(the all-reduces of ``group_name`` whose waits ``node`` adds up, the adds): ``node`` a wait, or adds
+    of waits; None if it is anything else."""
     if is_call(node, WAIT) and is_call(node.args[0], ALL_REDUCE) and node.args[0].args[2] == group_name \
             and node.args[0].args[1] == "sum" and len(node.users) == 1:
-        return [node.args[0]]
+        return [node.args[0]], []
     if is_add(node) and len(node.users) == 1 and all(isinstance(a, Node) for a in node.args[:2]):
         left, right = (_summed_waits(a, group_name) for a in node.args[:2])
         if left is not None and right is not None:
-            return left + right
+            return left[0] + right[0], left[1] + right[1] + [node]
     return None
 
 
-def _total(all_reduce: Node) -> tuple[Node, list[Node]] | None:
-    """(g, the all-reduces it sums): from ``all_reduce``'s wait up through the adds of other all-reduces of
-    the same group."""
+def _total(all_reduce: Node) -> tuple[Node, list[Node], list[Node]] | None:
+    """(g, the all-reduces it sums, the adds that sum them): from ``all_reduce``'s wait up through the adds
+    of other all-reduces of the same group."""
     wait = only_user(all_reduce)
     if not is_call(wait, WAIT):
         return None
-    group_name, total, members = all_reduce.args[2], wait, [all_reduce]
+    group_name, total, members, adds = all_reduce.args[2], wait, [all_reduce], []
     while True:
         add = only_user(total)
         if not is_add(add):
-            return total, members
+            return total, members, adds
         more = _summed_waits(other_arg(add, total), group_name)
         if more is None:
-            return total, members
-        total, members = add, members + more
+            return total, members, adds
+        total, members, adds = add, members + more[0], adds + more[1] + [add]
 
 
 def _reachable(start: Node) -> set:
@@ -211,17 +212,17 @@ def _eps_of(inside: set, end: Node, total: Node, norm_input: Node, weight: Node)
     return best if best is not None and errors[best] < 5e-2 else None
 
 
-def find_site(all_reduce: Node) -> tuple[BackwardMatch | None, Reason | None]:
-    """The backward block end starting at ``all_reduce`` (as the first of its summed parts), or why there
-    is none: (match, None) or (None, reason)."""
+def find_site(all_reduce: Node) -> BackwardMatch | None:
+    """The backward block end starting at ``all_reduce`` (as the first of its summed parts), or None. A site
+    none is found for is reported as the forward's patterns say (``patterns.unmatched_reason``)."""
     found = _total(all_reduce)
     if found is None:
-        return None, Reason("no-pattern", "the all-reduce's result is not waited on directly")
-    total, members = found
+        return None
+    total, members, summing = found
     like = meta_val(total)
     hidden = static_int(like.shape[-1]) if isinstance(like, torch.Tensor) and like.dim() else None
     if hidden is None:
-        return None, Reason("hidden", "the hidden size (last dimension) is dynamic")
+        return None
     after_total = _reachable(total)
     order = {node: i for i, node in enumerate(total.graph.nodes)}
     adds = sorted((n for n in after_total if is_call(n, aten.add.Tensor) and _same_rows(n, like)),
@@ -245,11 +246,9 @@ def find_site(all_reduce: Node) -> tuple[BackwardMatch | None, Reason | None]:
         eps = _eps_of(inside, end, total, norm_input, weight)
         if eps is None:
             continue
-        return BackwardMatch(members, [m.args[0] for m in members], all_reduce.args[2], total, out, grad_h,
-                             norm_input, weight, eps, inside), None
-    return None, Reason("no-pattern", "no norm's backward follows the all-reduce as a block end's has it "
-                                      "(RMSNorm's backward of the sum, then + the residual stream's "
-                                      "gradient)")
+        return BackwardMatch(members, summing, [m.args[0] for m in members], all_reduce.args[2], total, out,
+                             grad_h, norm_input, weight, eps, inside)
+    return None
 
 
 def problem(match: BackwardMatch, token_bound, fusion_limit: int) -> Reason | None:
@@ -285,19 +284,7 @@ def replace(graph: Graph, m: BackwardMatch) -> None:
     m.out.replace_all_uses_with(grad_input)
     m.total.replace_all_uses_with(total)
     order = {node: i for i, node in enumerate(graph.nodes)}
-    gone = {m.out, *m.inside} | {n for r in m.all_reduces for n in (r, only_user(r))}
-    gone |= {n for n in _adds_between(m) if n is not None}
+    gone = {m.out, *m.inside, *m.adds} | {n for r in m.all_reduces for n in (r, only_user(r))}
     for node in sorted(gone, key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
-
-
-def _adds_between(m: BackwardMatch) -> list[Node]:
-    """The adds that summed the all-reduced parts into g (g itself included)."""
-    found, stack = [], [m.total]
-    while stack:
-        node = stack.pop()
-        if is_add(node):
-            found.append(node)
-            stack.extend(a for a in node.args[:2] if isinstance(a, Node))
-    return found

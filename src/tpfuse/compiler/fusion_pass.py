@@ -219,8 +219,10 @@ class FusionPass(CustomGraphPass):
                     break
                 refused = refused or (pattern.name, reason)
             else:
-                if refused is None and self._fuse_backward_site(graph, node, entries, merged):
-                    continue
+                if refused is None and (backward := backward_sites.find_site(node)) is not None:
+                    refused = self._fuse_backward_site(graph, backward, entries, merged)
+                    if refused is None:
+                        continue
                 pattern_name, reason = refused or (None, unmatched_reason(node))
                 entries.append((SiteReport(shape, dtype, group_name, False, pattern_name, reason), node))
         # A site that a later one took in as its second branch is reported with that one only.
@@ -236,23 +238,21 @@ class FusionPass(CustomGraphPass):
             f"tokens <= {self.max_tokens}" if self.max_tokens else "static token counts")
         report_graph(sites, bounds)
 
-    def _fuse_backward_site(self, graph: torch.fx.Graph, node: torch.fx.Node, entries: list,
-                            merged: set) -> bool:
-        """Fuse the backward block end that starts at ``node`` (``compiler.backward_sites``), if there is one
-        and it may fuse: its all-reduces' reports go to ``entries``, the others it takes in to ``merged``."""
-        match, _ = backward_sites.find_site(node)
-        if match is None:
-            return False
+    def _fuse_backward_site(self, graph: torch.fx.Graph, match: backward_sites.BackwardMatch, entries: list,
+                            merged: set) -> tuple[str, Reason] | None:
+        """Fuse a backward block end (``compiler.backward_sites``): its all-reduces' reports go to
+        ``entries``, the others it takes in to ``merged``. (pattern, why) where it may not fuse."""
         limit = self._fusion_limit(match.group_name, match.hidden, meta_val(match.total).dtype)
-        if backward_sites.problem(match, self._token_bound, limit) is not None:
-            return False
+        reason = backward_sites.problem(match, self._token_bound, limit)
+        if reason is not None:
+            return backward_sites.PATTERN, reason
         if str(match.tokens) in self.token_bounds:
             _bounds_relied_on[self._tag].add(str(match.tokens))
         entries += [(SiteReport(*_describe(n), True, backward_sites.PATTERN), None)
                     for n in match.all_reduces]
         merged.update(match.all_reduces[1:])
         backward_sites.replace(graph, match)
-        return True
+        return None
 
     def _fuse_vllm_site(self, node: torch.fx.Node) -> tuple[SiteReport, torch.fx.Node | None]:
         shape, dtype, group_name = vllm_sites.describe(node)

@@ -10,12 +10,13 @@ mode is on and an input requires a gradient; a quantised output refuses one.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from tpfuse.blockend.epilogue import Epilogue
 from tpfuse.blockend.gradient import block_end_backward, rmsnorm_weight_grad, sum_backward
 from tpfuse.blockend.reference import rank_part
-from tpfuse.ops.route import group_by_name
+from tpfuse.comm import agreement
+from tpfuse.comm.communicator import default_wait_timeout_s
+from tpfuse.ops.route import group_by_name, sum_in_rank_order
 
 #: The block end's tensors that can take a gradient, in the Function's argument order.
 _STEP_TENSORS = ("bias", "sum_weight", "norm_bias", "topk_weights", "shared_expert")
@@ -70,7 +71,7 @@ class _BlockEnd(torch.autograd.Function):
         if grads.get("topk_weights") is not None:
             # The weights are the same on every rank, each rank's experts' outputs its part of the sum: the
             # weights' gradient is the sum of every rank's part.
-            grads["topk_weights"] = _sum_in_rank_order(grads["topk_weights"], ctx.group_name)
+            grads["topk_weights"] = _summed_over_ranks(grads["topk_weights"], ctx.group_name)
         # Each gradient in its input's dtype (the residual's is x's); none for an input the call had not.
         dtypes = {"x": x.dtype, "residual": x.dtype if ctx.has_residual else None, "weight": weight.dtype,
                   **{name: None if t is None else t.dtype for name, t in named.items()}}
@@ -80,16 +81,12 @@ class _BlockEnd(torch.autograd.Function):
                 *(out[n] for n in _STEP_TENSORS))
 
 
-def _sum_in_rank_order(t: torch.Tensor, group_name: str) -> torch.Tensor:
-    """The sum over the group's ranks of ``t`` (fp32), in ascending rank order whatever its size: the
-    group's all-reduce splits a tensor in chunks by its size, so a row's sum would depend on the batch."""
-    group = group_by_name(group_name)
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total += part
-    return total
+def _summed_over_ranks(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum over the group's ranks of ``t``, gathered and summed in rank order
+    (``route.sum_in_rank_order``), the wait bounded as the reference path's."""
+    parts = agreement.all_gather(t.contiguous(), group_by_name(group_name), default_wait_timeout_s(),
+                                 "the MoE weights' gradient")
+    return sum_in_rank_order(parts)
 
 
 #: What the gradient reaching y is (``allreduce_add_rmsnorm``'s ``y_grad``): the same on every rank, or each

@@ -225,14 +225,21 @@ def block_end_of_parts(call: FusedCall, parts: list[torch.Tensor]) -> None:
     x, epilogue = call.x, call.epilogue
     if epilogue.experts or epilogue.shared_expert is not None:
         epilogue = _without_finalize(epilogue)
-    total = torch.zeros(parts[0].shape, dtype=torch.float32, device=x.device)
-    for part in parts:
-        total += part.float()
+    total = sum_in_rank_order(parts)
     kernel = _local_kernel_for(x)
     if kernel is not None and x.dtype is not torch.float32:
         kernel(call._replace(x=total, epilogue=epilogue))
     else:
         _block_end_in_torch(call._replace(epilogue=epilogue), total)
+
+
+def sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The fp32 sum of every rank's part (``parts`` in rank order), one add a rank in ascending order, as
+    every kernel sums: a row's sum never depends on the message's size, as the group's all-reduce's does."""
+    total = torch.zeros(parts[0].shape, dtype=torch.float32, device=parts[0].device)
+    for part in parts:
+        total += part.float()
+    return total
 
 
 def _block_end_in_torch(call: FusedCall, reduced: torch.Tensor) -> None:
