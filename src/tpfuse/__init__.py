@@ -20,6 +20,8 @@ from tpfuse.ops import (
     allreduce_add_rmsnorm_quant,
     allreduce_rmsnorm_backward,
     quantize_fp4,
+    reduce_scatter_add_rmsnorm_all_gather,
+    reduce_scatter_rmsnorm_backward_all_gather,
 )
 from tpfuse.ops.determinism import batch_invariant, set_batch_invariant
 
@@ -41,6 +43,8 @@ __all__ = [
     "explain",
     "get_communicator",
     "quantize_fp4",
+    "reduce_scatter_add_rmsnorm_all_gather",
+    "reduce_scatter_rmsnorm_backward_all_gather",
     "reset_stats",
     "set_batch_invariant",
     "stats",

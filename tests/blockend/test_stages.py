@@ -69,7 +69,7 @@ def test_each_keyword_reaches_the_call_descriptor(name):
     (dict(normed=False, scale_group=128), "no y to quantise"),
     (dict(normed=False, layer_norm=True), "has no LayerNorm"),
     (dict(topk_weights=torch.ones(4, 2)), "topk_weights weight the experts' outputs"),
-    (dict(experts=32), "at most 31 experts"),
+    (dict(experts=16), "at most 15 experts"),
     (dict(experts=-1), "experts must be an int >= 0"),
     (dict(normed_copy=True), "y is not quantised here"),
     (dict(quant_scale=ONE, scale_group=128), "exclude each other"),

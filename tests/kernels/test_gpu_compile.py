@@ -80,6 +80,10 @@ SHAPES = [
     ("twoshot", 2, "bf16", dict(BLOCK_H=4096, GROUPED=True, WIRE=True, **MOE)),
     ("oneshot", 2, "bf16", dict(ONESHOT, BLOCK_H=8192, BLOCK_C=8192, **NORM_BACKWARD)),
     ("twoshot", 4, "bf16", dict(BLOCK_H=4096, GROUPED=True, WIRE=False, **NORM_BACKWARD)),
+    # Sequence parallel (rows sharded): the forward, static fp8, and the backward whose owner sends y.
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False, SHARDED=True)),
+    ("twoshot", 4, "fp16", dict(BLOCK_H=4096, GROUPED=True, WIRE=False, SHARDED=True, **STATIC_FP8)),
+    ("twoshot", 2, "bf16", dict(BLOCK_H=8192, GROUPED=True, WIRE=False, SHARDED=True, **NORM_BACKWARD)),
 ] + QUANTISED_OUTPUTS
 PLAIN = dict(HAS_BIAS=False, SUM_NORM=False, LAYER_NORM=False, HAS_NORM_BIAS=False, QUANT=0, SCALE_GROUP=0,
              NORMED=True, EXPERTS=0, TOPK_WEIGHTS=False, SHARED_EXPERT=False, NORMED_COPY=False,
@@ -99,6 +103,8 @@ def compile_shape(name: str, world: int, dtype: str, constexprs: dict, target, u
     kernel = {"oneshot": _oneshot_allreduce_add_rmsnorm_kernel,
               "twoshot": _twoshot_allreduce_add_rmsnorm_kernel}[name]
     constexprs = dict(constexprs)
+    if name == "twoshot":
+        constexprs.setdefault("SHARDED", False)
     asked = constexprs.pop("num_warps", 16)
     step_types = {**STEP_POINTERS, **constexprs.pop("STEP_TYPES", {})}
     from tpfuse.blockend.epilogue import StepTensors, Switches

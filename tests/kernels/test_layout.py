@@ -74,7 +74,7 @@ def test_every_flag_travels_in_the_descriptor():
     words = bits.describe_call(2, 64, flags, 0, (1 << 31) - 8)
     assert all(0 <= w <= 0x7FFF for w in words), words
     assert explain_descriptor(words) == (
-        "2 x 64 bfloat16 oneshot, no residual, MoE finalize, 31 experts a token, topk_weights, shared expert")
+        "2 x 64 bfloat16 oneshot, no residual, MoE finalize, 15 experts a token, topk_weights, shared expert")
 
 
 def test_a_finalize_that_differs_in_weights_k_or_shared_expert_differs_in_flags():

@@ -35,7 +35,7 @@ FLAG_FP8_WIRE = 2048
 FLAG_NO_NORM = 4096
 #: A MoE finalize before the sum (``Epilogue.experts`` / ``topk_weights`` / ``shared_expert``, x [T, K, H]),
 #: and what it is beyond that: ranks that differ in its weights, its shared expert or its K (the experts a
-#: token, ``FLAGS_EXPERTS``: bits 24-28) make calls that differ.
+#: token, ``FLAGS_EXPERTS``: bits 24-27) make calls that differ.
 FLAG_MOE_FINALIZE = 8192
 FLAG_TOPK_WEIGHTS, FLAG_SHARED_EXPERT = 512, 1024
 #: The norm's output beside a quantised y (``Epilogue.normed_copy``).
@@ -45,13 +45,14 @@ FLAG_NORMED_COPY = 1 << 14
 OUTPUT_SHIFT, SCALE_GROUP_SHIFT = 15, 19
 FLAGS_OUTPUT, FLAGS_SCALE_GROUP = 0xF << OUTPUT_SHIFT, 0xF << SCALE_GROUP_SHIFT
 EXPERTS_SHIFT = 24
-#: The largest K the descriptor holds: its flags end at bit 28 (15 bits in word 3, 14 beside the region's
-#: top bit in the last word).
-MAX_EXPERTS = 31
+#: The largest K the descriptor holds (4 bits; the models we serve take at most 8 experts a token).
+MAX_EXPERTS = 15
 FLAGS_EXPERTS = MAX_EXPERTS << EXPERTS_SHIFT
 #: The norm's backward in place of the norm (``Epilogue.norm_input``): bit 23.
 FLAG_NORM_BACKWARD = 1 << 23
-#: The last bit a descriptor carries.
+#: Rows sharded over the ranks (sequence parallel: ``FusedCall.sharded``): bit 28.
+FLAG_SHARDED = 1 << 28
+#: The last bit a descriptor carries: 15 bits in word 3, 14 beside the region's top bit in the last word.
 MAX_FLAG_BIT = 28
 #: What ``blockend.call.explain_flags`` says of each bit (the output format's bits say their own words).
 EXPLAINED_FLAGS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYER_NORM, "LayerNorm"),
@@ -59,7 +60,8 @@ EXPLAINED_FLAGS = ((FLAG_BIAS, "bias"), (FLAG_SUM_NORM, "post-norm"), (FLAG_LAYE
               (FLAG_NO_NORM, "no norm"), (FLAG_MOE_FINALIZE, "MoE finalize"),
               (FLAGS_EXPERTS, lambda flags: f"{(flags & FLAGS_EXPERTS) >> EXPERTS_SHIFT} experts a token"),
               (FLAG_TOPK_WEIGHTS, "topk_weights"), (FLAG_SHARED_EXPERT, "shared expert"),
-              (FLAG_NORMED_COPY, "a copy of the norm's output"), (FLAG_NORM_BACKWARD, "RMSNorm's backward"))
+              (FLAG_NORMED_COPY, "a copy of the norm's output"), (FLAG_NORM_BACKWARD, "RMSNorm's backward"),
+              (FLAG_SHARDED, "rows sharded (sequence parallel)"))
 
 
 def describe_call(n_tokens: int, hidden: int, flags: int, call: int, region_elems: int) -> list[int]:

@@ -56,6 +56,11 @@ class FusedCall(NamedTuple):
         (``Output.empty_scales``).
     normed : Tensor [T, H] or None
         Where a quantising call with ``epilogue.normed_copy`` writes the norm's output in x's dtype.
+    sharded : bool
+        Sequence parallel: the rows are sharded over the W ranks, rank r owning rows
+        ``r * T / W ... (r + 1) * T / W - 1`` as a reduce-scatter over dim 0 gives them. ``residual`` and
+        ``h`` (and RMSNorm backward's ``norm_input`` and ``grad_h``) hold this rank's T / W rows; ``x``,
+        ``y`` (gathered from every rank) and the rest hold all T.
     """
 
     x: torch.Tensor
@@ -67,10 +72,16 @@ class FusedCall(NamedTuple):
     epilogue: Epilogue = PLAIN
     scales: torch.Tensor | None = None
     normed: torch.Tensor | None = None
+    sharded: bool = False
 
     @property
     def n_tokens(self) -> int:
         return self.x.shape[0]
+
+    @property
+    def own_rows(self) -> int:
+        """The rows of ``h`` (T, or T / W of a sharded call)."""
+        return self.h.shape[0]
 
     @property
     def hidden(self) -> int:
@@ -80,7 +91,8 @@ class FusedCall(NamedTuple):
         """The call as every rank must make it (:class:`CallDescription`)."""
         return CallDescription(self.n_tokens, self.hidden,
                                bits.call_flags(self.x.dtype, self.residual is not None)
-                               | self.epilogue.flags(self.hidden))
+                               | self.epilogue.flags(self.hidden)
+                               | (bits.FLAG_SHARDED if self.sharded else 0))
 
     def outputs(self) -> tuple[torch.Tensor, ...]:
         """Every tensor the call writes."""
@@ -89,7 +101,8 @@ class FusedCall(NamedTuple):
     def rows(self, start: int, stop: int) -> FusedCall:
         """The same call restricted to rows ``start:stop`` (rows are independent). Scales whose layout
         does not slice by rows (``Output.scales_by_rows``) go to a new tensor of the part's own layout:
-        ``Output.place_scale_rows`` puts them back."""
+        ``Output.place_scale_rows`` puts them back. A sharded call's parts are :meth:`shard_part`'s."""
+        assert not self.sharded, "a sharded call's rows are not a slice of its tensors"
         part = slice(start, stop)
         scales = self.scales
         if scales is not None:
@@ -100,11 +113,33 @@ class FusedCall(NamedTuple):
                              y=self.y[part], h=self.h[part], epilogue=self.epilogue.rows(part), scales=scales,
                              normed=None if self.normed is None else self.normed[part])
 
+    def shard_part(self, start: int, stop: int, world_size: int) -> FusedCall:
+        """A sharded call restricted to rows ``start:stop`` of every rank's shard: a sharded call of its own
+        (x's rows copied together; h, the residual and h-side inputs sliced; y, its scales and the norm's
+        copy new tensors that :meth:`place_shard_part` puts back). Scales must slice by rows."""
+        def x_rows(t):
+            return t.unflatten(0, (world_size, -1))[:, start:stop].flatten(0, 1)
+
+        def fresh(t):
+            return None if t is None else torch.empty_like(x_rows(t))
+
+        return self._replace(x=x_rows(self.x).contiguous(),
+                             residual=None if self.residual is None else self.residual[start:stop],
+                             y=fresh(self.y), h=self.h[start:stop],
+                             epilogue=self.epilogue.shard_rows(start, stop, world_size),
+                             scales=fresh(self.scales), normed=fresh(self.normed))
+
+    def place_shard_part(self, part: FusedCall, start: int, stop: int, world_size: int) -> None:
+        """Copy a :meth:`shard_part`'s gathered outputs into this call's."""
+        for whole, got in ((self.y, part.y), (self.scales, part.scales), (self.normed, part.normed)):
+            if whole is not None:
+                whole.unflatten(0, (world_size, -1))[:, start:stop] = got.unflatten(0, (world_size, -1))
+
     def kernel_tensors(self) -> tuple:
         """The call's tensors as every kernel of ours takes them, in order: x, residual, weight, y, h, then
         the block end's (``epilogue.StepTensors``: the kernels' ``steps``). An absent one is passed as
         ``weight``, a stand-in the kernel never reads; an fp8 ``y`` as bytes (the kernels store fp8 codes)."""
-        x, residual, weight, _, y, h, steps, scales, normed = self
+        x, residual, weight, _, y, h, steps, scales, normed, _ = self
         if residual is None:
             residual = x
         if steps is PLAIN:  # the common call: every step's place taken by the stand-in
@@ -118,7 +153,7 @@ class FusedCall(NamedTuple):
         """:meth:`kernel_tensors`' device addresses, in the same order and nesting (the steps' as one
         tuple, as the kernels' ``steps``): what a kept launch passes. Each tensor's read once, the
         stand-in's reused."""
-        x, residual, weight, _, y, h, steps, _, _ = self
+        x, residual, weight, _, y, h, steps, _, _, _ = self
         if steps is not PLAIN:
             *tensors, step_tensors = self.kernel_tensors()
             return [*[t.data_ptr() for t in tensors], tuple(t.data_ptr() for t in step_tensors)]
@@ -132,7 +167,7 @@ class FusedCall(NamedTuple):
         the residual and the block end's steps."""
         x = self.x
         return (x.shape[-1], x.dtype, self.y.dtype, self.weight.dtype, self.residual is not None,
-                self.epilogue.signature)
+                self.epilogue.signature, self.sharded)
 
 
 def explain_flags(flags: int) -> str:

@@ -200,6 +200,18 @@ class Epilogue:
                if (t := getattr(self, name)) is not None}
         return dataclasses.replace(self, **cut) if cut else self
 
+    def shard_rows(self, start: int, stop: int, world_size: int) -> Epilogue:
+        """The block end of a sharded call's part (``FusedCall.shard_part``): rows ``start:stop`` of each
+        rank's shard of the per-row tensors that have all the call's rows, ``start:stop`` of those that
+        have this rank's (``Stage.on_own_rows``)."""
+        cut = {}
+        for stage in self.stages:
+            for name in () if stage is None else stage.per_row:
+                if (t := getattr(self, name)) is not None:
+                    cut[name] = (t[start:stop] if stage.on_own_rows
+                                 else t.unflatten(0, (world_size, -1))[:, start:stop].flatten(0, 1))
+        return dataclasses.replace(self, **cut) if cut else self
+
     def flags(self, hidden: int) -> int:
         """The descriptor bits (``bits.FLAG_*``) that tell this block end from others: each stage's."""
         return self._views(hidden)[0]
@@ -224,12 +236,13 @@ class Epilogue:
             views = _VIEWS[key] = (flags, Switches(**switches))
         return views
 
-    def check(self, x: torch.Tensor, shape: torch.Size, device: torch.device) -> None:
+    def check(self, x: torch.Tensor, shape: torch.Size, device: torch.device,
+              own_shape: torch.Size | None = None) -> None:
         """Raise TypeError / ValueError naming what about the stages' tensors does not fit the call (x, its
-        rows ``shape`` [T, H])."""
+        rows ``shape`` [T, H]; ``own_shape``, h's rows where they differ: a sharded call's)."""
         for stage in self.stages:
             if stage is not None:
-                stage.check(x, shape, device)
+                stage.check(x, own_shape if stage.on_own_rows and own_shape is not None else shape, device)
         for name in self.output.scale_keywords:
             scale = getattr(self, name)
             if not isinstance(scale, torch.Tensor):

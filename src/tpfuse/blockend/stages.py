@@ -99,6 +99,8 @@ class Stage:
     off: ClassVar[dict] = {}
     #: Its keywords whose tensors have a row a token (a part of the call's rows takes theirs).
     per_row: ClassVar[tuple[str, ...]] = ()
+    #: Whether those rows are h's (in a sharded call: this rank's rows only), not x's.
+    on_own_rows: ClassVar[bool] = False
 
     def flags(self, hidden: int) -> int:
         """This stage's descriptor bits (``bits.FLAG_*``)."""
@@ -334,6 +336,7 @@ class RmsNormBackward(Norm):
     grad_h: torch.Tensor
 
     per_row: ClassVar[tuple] = ("norm_input", "grad_h")
+    on_own_rows: ClassVar[bool] = True
 
     def flags(self, hidden):
         return bits.FLAG_NORM_BACKWARD

@@ -25,6 +25,8 @@ class FusedBackend(abc.ABC):
     #: Whether the kernels check that every rank's call is the same one; otherwise debug mode compares
     #: calls on the host first.
     compares_calls: bool = False
+    #: Whether the kernels take sharded calls (sequence parallel: ``FusedCall.sharded``).
+    shards_rows: bool = False
 
     @property
     @abc.abstractmethod

@@ -277,6 +277,8 @@ class Communicator:
     def _plan(self, call: FusedCall) -> CallPlan:
         hidden, dtype = call.hidden, call.x.dtype
         algorithm = self.choose_algorithm(call.n_tokens, hidden, dtype, call.epilogue)
+        if call.sharded:
+            return self._plan_sharded(call, algorithm)
         if algorithm != select.REFERENCE:
             return CallPlan(algorithm, launch=self.fused_backend.launcher(algorithm, call))
         if self.fused_backend is None or not self.fused_backend.compares_calls:
@@ -285,6 +287,20 @@ class Communicator:
         if 0 < limit < call.n_tokens and self.fused_backend.takes(limit, call.epilogue):
             return CallPlan(select.CHUNKED, chunk_rows=limit)
         return CallPlan(algorithm)
+
+    def _plan_sharded(self, call: FusedCall, algorithm: str) -> CallPlan:
+        """A sharded call (sequence parallel) runs on the two-shot, whose rows have owners, where the
+        backend shards rows (``FusedBackend.shards_rows``); over the fusion limit as sharded parts of
+        whole rows a rank, or the reference path (``ops.route``: gathered) where no part fits."""
+        if self.fused_backend is None or not self.fused_backend.shards_rows:
+            return CallPlan(select.REFERENCE)
+        if algorithm != select.REFERENCE:
+            return CallPlan(select.TWOSHOT, launch=self.fused_backend.launcher(select.TWOSHOT, call))
+        limit = self.max_token_num(call.hidden, call.x.dtype) // self.world_size  # a part's rows a rank
+        if 0 < limit and call.epilogue.output.scales_by_rows and self.choose_algorithm(
+                limit * self.world_size, call.hidden, call.x.dtype, call.epilogue) != select.REFERENCE:
+            return CallPlan(select.CHUNKED, chunk_rows=limit)
+        return CallPlan(select.REFERENCE)
 
     def run_fused(self, call: FusedCall, plan: CallPlan) -> str:
         """Run a call with the fused kernel of its plan (:meth:`plan`'s, route ``select.ONESHOT`` or

@@ -40,6 +40,7 @@ class TritonBackend(FusedBackend):
 
     name = "triton"
     compares_calls = True  # every call exchanges descriptors (docs/reliability.md)
+    shards_rows = True
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, region_elems: int,
                  wait_timeout_s: float, fp8_wire: bool = False):
@@ -67,7 +68,9 @@ class TritonBackend(FusedBackend):
         if algorithm == select.ONESHOT:
             plan = oneshot_plan(self.launch, call)
         else:
-            plan = twoshot_plan(self.launch, call, wire=self.fp8_wire and wire_supported(call.hidden))
+            # The fp8 wire sends the sum before the residual, which only a sharded row's owner holds.
+            plan = twoshot_plan(self.launch, call,
+                                wire=self.fp8_wire and wire_supported(call.hidden) and not call.sharded)
         return functools.partial(launch, plan)
 
     def set_wait_timeout(self, seconds: float) -> None:

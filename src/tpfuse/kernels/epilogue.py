@@ -101,27 +101,38 @@ def _before_residual(s, params, hidden, eps, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _store_normed(h, params, y_ptr, steps, row, offs, mask, hidden, eps, STEPS: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
-    """The norm of an fp32 row ``h`` (masked columns zero), stored in y's dtype or quantised (y_ptr then
-    bytes): static or dynamic fp8 (:func:`_store_fp8`), NVFP4 or MXFP4 (:func:`_store_fp4`); with
-    NORMED_COPY also unquantised in ``steps.normed``. With NORM_BACKWARD, RMSNorm's backward instead
-    (``stages.RmsNormBackward``)."""
-    QUANT: tl.constexpr = STEPS.QUANT
-    if not STEPS.NORMED:
-        return
+def _norm_of(h, params, steps, own_offs, mask, hidden, eps, STEPS: tl.constexpr):
+    """The norm of an fp32 row ``h`` (masked columns zero) in fp32: RMSNorm or LayerNorm; with
+    NORM_BACKWARD, RMSNorm's backward (``stages.RmsNormBackward``) at the row's ``norm_input`` plus its
+    ``grad_h``, which sit at ``own_offs`` (where the row's h goes: a sharded call's rows of this rank)."""
     if STEPS.NORM_BACKWARD:  # h: the summed gradient of a norm's output; y: the gradient of its input
-        a = tl.load(steps.norm_input + offs, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(steps.norm_input + own_offs, mask=mask, other=0.0).to(tl.float32)
         r = tl.rsqrt(tl.sum(a * a, axis=0) / hidden + eps)
         gw = h * params.weight
-        y = tl.load(steps.grad_h + offs, mask=mask, other=0.0).to(tl.float32) + r * (
+        y = tl.load(steps.grad_h + own_offs, mask=mask, other=0.0).to(tl.float32) + r * (
             gw - a * (tl.sum(gw * a, axis=0) / hidden) * r * r)
     elif STEPS.LAYER_NORM:
         centred = tl.where(mask, h - tl.sum(h, axis=0) / hidden, 0.0)
         y = _rmsnorm(centred, hidden, eps) * params.weight + params.norm_bias
     else:
         y = _rmsnorm(h, hidden, eps) * params.weight
+    return y
+
+
+@triton.jit
+def _store_normed(h, params, y_ptr, steps, row, offs, own_offs, mask, hidden, eps, STEPS: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """The norm of an fp32 row ``h`` (:func:`_norm_of`), stored in y's dtype or quantised (y_ptr then
+    bytes): static or dynamic fp8 (:func:`_store_fp8`), NVFP4 or MXFP4 (:func:`_store_fp4`); with
+    NORMED_COPY also unquantised in ``steps.normed``. RMSNorm's backward is stored with -0.0 made +0.0,
+    as a sharded call's owner sends it to its peers, so that its bits never depend on the layout."""
+    QUANT: tl.constexpr = STEPS.QUANT
+    if not STEPS.NORMED:
+        return
+    y = _norm_of(h, params, steps, own_offs, mask, hidden, eps, STEPS)
     if QUANT == 0:
+        if STEPS.NORM_BACKWARD:
+            y, _ = round_to(y, y_ptr.dtype.element_ty)
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         if STEPS.NORMED_COPY:
@@ -133,14 +144,15 @@ def _store_normed(h, params, y_ptr, steps, row, offs, mask, hidden, eps, STEPS: 
 
 
 @triton.jit
-def _store_h_and_normed(h, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
-    """Store the row's h rounded to h's dtype once (-0.0 made +0.0), and the norm of that rounded h
-    (:func:`_store_normed`): every kernel computes y from the h it returns, so a row's y never depends
-    on the algorithm (docs/determinism.md)."""
+def _store_h_and_normed(h, params, y_ptr, h_ptr, steps, row, offs, own_offs, mask, hidden, eps,
+                        STEPS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Store the row's h rounded to h's dtype once (-0.0 made +0.0) at ``own_offs`` (``offs`` but in a
+    sharded call), and the norm of that rounded h at ``offs`` (:func:`_store_normed`): every kernel
+    computes y from the h it returns, so a row's y never depends on the algorithm
+    (docs/determinism.md)."""
     h, h32 = round_to(h, h_ptr.dtype.element_ty)
-    tl.store(h_ptr + offs, h, mask=mask)
-    _store_normed(h32, params, y_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
+    tl.store(h_ptr + own_offs, h, mask=mask)
+    _store_normed(h32, params, y_ptr, steps, row, offs, own_offs, mask, hidden, eps, STEPS, BLOCK_H)
 
 
 @triton.jit

@@ -33,7 +33,8 @@ def _local_add_rmsnorm_kernel(
     h = _before_residual(h, params, hidden, eps, STEPS)
     if HAS_RESIDUAL:
         h += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    _store_h_and_normed(h, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
+    _store_h_and_normed(h, params, y_ptr, h_ptr, steps, row, offs, offs, mask, hidden, eps, STEPS,
+                        BLOCK_H)
 
 
 _plans: dict = {}

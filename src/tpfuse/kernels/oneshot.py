@@ -159,7 +159,8 @@ def _oneshot_allreduce_add_rmsnorm_kernel(
         h = _before_residual(h, params, hidden, eps, STEPS)
         if HAS_RESIDUAL:
             h += res
-        _store_h_and_normed(h, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
+        _store_h_and_normed(h, params, y_ptr, h_ptr, steps, row, offs, offs, mask, hidden, eps, STEPS,
+                            BLOCK_H)
         row += row_step
     if not CLEAR_FIRST:
         _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)

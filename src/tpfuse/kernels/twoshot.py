@@ -22,6 +22,12 @@ with a scale per block of 128, about half the bytes: the owner quantises its own
 sum (before bias, post-norm and residual) and decodes it as the peers do, and every rank applies the
 rest of the epilogue to the decoded sum, so all ranks still agree bit for bit.
 
+Sequence parallel (``SHARDED``, ``FusedCall.sharded``): the same protocol with rows owned as a
+reduce-scatter over dim 0 gives them (row j belongs to rank j // (T / W)); the residual, h and the
+norm backward's inputs are the owner's rows only. The owner sends h and every rank norms it as above;
+for RMSNorm's backward, whose inputs only the owner holds, the owner sends y instead, and its peers store
+what they receive. A row's bits are those of the all-reduce path (docs/sequence-parallel.md).
+
 Words in our slot come from peers of the same call only (x rows we own, h rows they own), so the
 slot rotation, clearing and extent of the one-shot hold unchanged, and calls of the two kernels
 may follow each other in any order. A program waits only for the same program of its peers, which
@@ -34,7 +40,14 @@ import triton
 import triton.language as tl
 
 from tpfuse.blockend.call import FusedCall
-from tpfuse.kernels.epilogue import _before_residual, _load_params, _partial_row, _store_h_and_normed
+from tpfuse.kernels.epilogue import (
+    _before_residual,
+    _load_params,
+    _norm_of,
+    _partial_row,
+    _store_h_and_normed,
+    _store_normed,
+)
 from tpfuse.kernels.launch import LaunchPlan, kept_plan, launch
 from tpfuse.kernels.layout import LaunchContext
 from tpfuse.kernels.protocol import (
@@ -59,13 +72,25 @@ from tpfuse.kernels.protocol import (
     launch_config,
     workspace_tensors,
 )
-from tpfuse.kernels.vendor import store_shared
+from tpfuse.kernels.vendor import round_to, store_shared
 from tpfuse.kernels.wire import _WIRE_BLOCK, _decode, _encode, wire_supported
 
 
 @triton.jit
-def _owner(row, n_programs, WORLD: tl.constexpr):
+def _owner(row, n_programs, n_tokens, WORLD: tl.constexpr, SHARDED: tl.constexpr):
+    if SHARDED:
+        return row // (n_tokens // WORLD)
     return (row + row // n_programs) % WORLD
+
+
+@triton.jit
+def _own_offs(row, offs, cols, n_tokens, hidden, RANK: tl.constexpr, WORLD: tl.constexpr,
+              SHARDED: tl.constexpr):
+    """Where a row of ours sits in h, the residual and the norm backward's inputs: ``offs``, or in a
+    sharded call its place among this rank's rows."""
+    if SHARDED:
+        return (row - RANK * (n_tokens // WORLD)).to(tl.int64) * hidden + cols
+    return offs
 
 
 @triton.jit
@@ -104,14 +129,14 @@ def _wait_wire(region, row, hidden, deadline, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _scatter(x_ptr, steps, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, last, cols, mask,
-             RANK: tl.constexpr, WORLD: tl.constexpr, WIRE: tl.constexpr, BLOCK_H: tl.constexpr,
-             STEPS: tl.constexpr):
+def _scatter(x_ptr, steps, peer_ptrs_ptr, send_base, n_tokens, hidden, pid, n_programs, first, last, cols,
+             mask, RANK: tl.constexpr, WORLD: tl.constexpr, WIRE: tl.constexpr, BLOCK_H: tl.constexpr,
+             STEPS: tl.constexpr, SHARDED: tl.constexpr):
     """Send this program's rows first..last-1 (its own numbering) that another rank owns, to that owner."""
     i = first
     while i < last:
         row = pid + i * n_programs
-        owner = _owner(row, n_programs, WORLD)
+        owner = _owner(row, n_programs, n_tokens, WORLD, SHARDED)
         if owner != RANK:
             if WIRE:
                 words, exponents = _encode(_partial_row(x_ptr, steps, row, cols, mask, hidden, STEPS),
@@ -149,21 +174,22 @@ def _store_from_sum(s, residual_ptr, params, y_ptr, h_ptr, steps, row, offs, mas
     h = _before_residual(s, params, hidden, eps, STEPS)
     if HAS_RESIDUAL:
         h += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    _store_h_and_normed(h, params, y_ptr, h_ptr, steps, row, offs, mask, hidden, eps, STEPS, BLOCK_H)
+    _store_h_and_normed(h, params, y_ptr, h_ptr, steps, row, offs, offs, mask, hidden, eps, STEPS, BLOCK_H)
 
 
 @triton.jit
 def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, steps, peer_ptrs_ptr, own_slot, send_base, params,
-                  hidden, region_elems, eps, n_programs, pid, first, last, cols, mask, deadline, failed,
-                  RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                  STEPS: tl.constexpr, WIRE: tl.constexpr):
+                  n_tokens, hidden, region_elems, eps, n_programs, pid, first, last, cols, mask, deadline,
+                  failed, RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr, STEPS: tl.constexpr, WIRE: tl.constexpr, SHARDED: tl.constexpr):
     """For the rows among first..last-1 we own: wait for the peers' x, reduce, send the rounded h to all
-    (on the fp8 wire: the sum, as codes)."""
+    (on the fp8 wire: the sum, as codes; RMSNorm's backward of a sharded call: y)."""
     i = first
     while i < last:
         row = pid + i * n_programs
-        if _owner(row, n_programs, WORLD) == RANK:
+        if _owner(row, n_programs, n_tokens, WORLD, SHARDED) == RANK:
             offs = row.to(tl.int64) * hidden + cols
+            own_offs = _own_offs(row, offs, cols, n_tokens, hidden, RANK, WORLD, SHARDED)
             if WIRE:
                 acc, failed = _sum_wire_in_rank_order(x_ptr, steps, cols, mask, own_slot, region_elems, row,
                                                       hidden, deadline, failed, RANK, WORLD, BLOCK_H, STEPS)
@@ -176,7 +202,7 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, steps, peer_ptrs_ptr, own_s
                                 row, offs, mask, hidden, eps, HAS_RESIDUAL, STEPS, BLOCK_H)
             else:
                 if HAS_RESIDUAL:
-                    res = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                    res = tl.load(residual_ptr + own_offs, mask=mask, other=0.0).to(tl.float32)
                 acc, failed = _sum_in_rank_order(x_ptr,
                                                  _partial_bits(x_ptr, steps, row, cols, mask, hidden, STEPS),
                                                  own_slot,
@@ -185,26 +211,35 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, steps, peer_ptrs_ptr, own_s
                 acc = _before_residual(acc, params, hidden, eps, STEPS)
                 if HAS_RESIDUAL:
                     acc += res
-                # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
-                h_bits = _sendable(acc.to(h_ptr.dtype.element_ty).to(tl.int16, bitcast=True))
-                _send_to_peers(peer_ptrs_ptr, send_base + offs, h_bits, mask, RANK, WORLD)
-                _store_h_and_normed(_as_h(h_bits, h_ptr), params, y_ptr, h_ptr, steps, row, offs, mask,
-                                    hidden, eps, STEPS, BLOCK_H)
+                if SHARDED and STEPS.NORM_BACKWARD:  # only we hold the row's norm_input and grad_h
+                    h, h32 = round_to(acc, h_ptr.dtype.element_ty)
+                    tl.store(h_ptr + own_offs, h, mask=mask)
+                    y, _ = round_to(_norm_of(h32, params, steps, own_offs, mask, hidden, eps, STEPS),
+                                    y_ptr.dtype.element_ty)
+                    _send_to_peers(peer_ptrs_ptr, send_base + offs, y.to(tl.int16, bitcast=True), mask, RANK,
+                                   WORLD)
+                    tl.store(y_ptr + offs, y, mask=mask)
+                else:
+                    # Peers receive h with -0.0 made +0.0; we keep exactly what they receive.
+                    h_bits = _sendable(acc.to(h_ptr.dtype.element_ty).to(tl.int16, bitcast=True))
+                    _send_to_peers(peer_ptrs_ptr, send_base + offs, h_bits, mask, RANK, WORLD)
+                    _store_h_and_normed(_as_h(h_bits, h_ptr), params, y_ptr, h_ptr, steps, row, offs,
+                                        own_offs, mask, hidden, eps, STEPS, BLOCK_H)
         i += 1
     return failed
 
 
 @triton.jit
-def _gather_others(residual_ptr, y_ptr, h_ptr, steps, own_slot, params, hidden, region_elems, eps, n_programs,
-                   pid, first, last, cols, mask, deadline, failed, WORLD: tl.constexpr, RANK: tl.constexpr,
-                   BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STEPS: tl.constexpr,
-                   WIRE: tl.constexpr):
+def _gather_others(residual_ptr, y_ptr, h_ptr, steps, own_slot, params, n_tokens, hidden, region_elems, eps,
+                   n_programs, pid, first, last, cols, mask, deadline, failed, WORLD: tl.constexpr,
+                   RANK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STEPS: tl.constexpr,
+                   WIRE: tl.constexpr, SHARDED: tl.constexpr):
     """For the rows among first..last-1 others own: wait for the owner's h (on the fp8 wire: its sum),
-    then store h and y."""
+    then store h and y; in a sharded call y alone (RMSNorm's backward: the owner's y, as it came)."""
     i = first
     while i < last:
         row = pid + i * n_programs
-        owner = _owner(row, n_programs, WORLD)
+        owner = _owner(row, n_programs, n_tokens, WORLD, SHARDED)
         if owner != RANK:
             offs = row.to(tl.int64) * hidden + cols
             if WIRE:
@@ -216,8 +251,14 @@ def _gather_others(residual_ptr, y_ptr, h_ptr, steps, own_slot, params, hidden, 
                 h_bits, missing = _wait_row(own_slot + owner * region_elems + offs, mask, deadline)
                 failed |= missing
                 h_bits = tl.where(failed > 0, _nan_bits(h_ptr), h_bits)  # as _poisoned, for words
-                _store_h_and_normed(_as_h(h_bits, h_ptr), params, y_ptr, h_ptr, steps, row, offs, mask,
-                                    hidden, eps, STEPS, BLOCK_H)
+                if not SHARDED:
+                    _store_h_and_normed(_as_h(h_bits, h_ptr), params, y_ptr, h_ptr, steps, row, offs, offs,
+                                        mask, hidden, eps, STEPS, BLOCK_H)
+                elif STEPS.NORM_BACKWARD:
+                    tl.store(y_ptr + offs, h_bits.to(y_ptr.dtype.element_ty, bitcast=True), mask=mask)
+                else:
+                    _store_normed(_as_h(h_bits, h_ptr).to(tl.float32), params, y_ptr, steps, row, offs, offs,
+                                  mask, hidden, eps, STEPS, BLOCK_H)
         i += 1
     return failed
 
@@ -248,6 +289,7 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     DESC_FLAGS: tl.constexpr,
     GROUPED: tl.constexpr,
     WIRE: tl.constexpr,
+    SHARDED: tl.constexpr,
 ):
     hidden = _multiple_of_8(hidden)  # both checked by call_constexprs
     region_elems = _multiple_of_8(region_elems)
@@ -271,8 +313,8 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
     last = my_rows
     if GROUPED:
         last = tl.minimum(group_rows, my_rows)
-    _scatter(x_ptr, steps, peer_ptrs_ptr, send_base, hidden, pid, n_programs, first, last, cols, mask, RANK,
-             WORLD, WIRE, BLOCK_H, STEPS)
+    _scatter(x_ptr, steps, peer_ptrs_ptr, send_base, n_tokens, hidden, pid, n_programs, first, last, cols,
+             mask, RANK, WORLD, WIRE, BLOCK_H, STEPS, SHARDED)
     _clear_slot(own, prev_slot, region_elems, prev_extent, pid, n_programs, cols, RANK, WORLD, BLOCK_H)
 
     params = _load_params(weight_ptr, steps, cols, mask, n_tokens, STEPS)
@@ -282,16 +324,15 @@ def _twoshot_allreduce_add_rmsnorm_kernel(
         after = my_rows
         if GROUPED:
             after = tl.minimum(last + group_rows, my_rows)
-            _scatter(x_ptr, steps, peer_ptrs_ptr, send_base, hidden, pid, n_programs, last, after, cols, mask,
-                     RANK, WORLD, WIRE, BLOCK_H, STEPS)
+            _scatter(x_ptr, steps, peer_ptrs_ptr, send_base, n_tokens, hidden, pid, n_programs, last, after,
+                     cols, mask, RANK, WORLD, WIRE, BLOCK_H, STEPS, SHARDED)
         failed = _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, steps, peer_ptrs_ptr, own_slot, send_base,
-                               params, hidden, region_elems, eps, n_programs, pid, first, last, cols, mask,
-                               deadline, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL, STEPS, WIRE)
-        failed = _gather_others(residual_ptr, y_ptr, h_ptr, steps, own_slot, params,
-                                hidden, region_elems, eps,
-                                n_programs, pid, first, last, cols, mask, deadline,
-                                failed, WORLD, RANK, BLOCK_H,
-                                HAS_RESIDUAL, STEPS, WIRE)
+                               params, n_tokens, hidden, region_elems, eps, n_programs, pid, first, last,
+                               cols, mask, deadline, failed, RANK, WORLD, BLOCK_H, HAS_RESIDUAL, STEPS, WIRE,
+                               SHARDED)
+        failed = _gather_others(residual_ptr, y_ptr, h_ptr, steps, own_slot, params, n_tokens, hidden,
+                                region_elems, eps, n_programs, pid, first, last, cols, mask, deadline, failed,
+                                WORLD, RANK, BLOCK_H, HAS_RESIDUAL, STEPS, WIRE, SHARDED)
         first = last
         last = after
     _finish_call(state_ptr, call, slot, n_tokens, hidden, desc, failed, n_programs, True)
@@ -329,11 +370,14 @@ def _twoshot_plan(ctx: LaunchContext, call: FusedCall, group_rows: int, wire: bo
                   max_warps: int) -> LaunchPlan:
     n_tokens, hidden = call.n_tokens, call.hidden
     assert not wire or wire_supported(hidden), hidden
+    # The wire sends the sum before the residual, which only a sharded row's owner holds.
+    assert not (wire and call.sharded) and (not call.sharded or n_tokens % ctx.world_size == 0), n_tokens
     block_h, num_warps, use_pdl = launch_config(hidden, call.x.device, max_warps=max_warps)
     programs = min(n_tokens, ctx.max_programs)
     return LaunchPlan(
         _twoshot_allreduce_add_rmsnorm_kernel, programs, call_scalars(ctx, call, (group_rows,)),
         dict(RANK=ctx.rank, WORLD=ctx.world_size, BLOCK_H=block_h, USE_PDL=use_pdl,
              **call_constexprs(ctx, call, twoshot=True, wire=wire),
-             GROUPED=group_rows != ALL_ROWS and n_tokens > group_rows * programs, WIRE=wire),
+             GROUPED=group_rows != ALL_ROWS and n_tokens > group_rows * programs, WIRE=wire,
+             SHARDED=call.sharded),
         dict(num_warps=num_warps, launch_pdl=use_pdl), workspace_tensors(ctx))

@@ -53,8 +53,11 @@ def check_inputs(
     epilogue: Epilogue = PLAIN,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    own_rows: int | None = None,
 ) -> None:
-    """Raise ``ValueError``/``TypeError`` naming the first problem with the op's arguments.
+    """Raise ``ValueError``/``TypeError`` naming the first problem with the op's arguments. ``own_rows``: a
+    sharded call's rows of this rank (sequence parallel), which the residual and the norm backward's
+    inputs have.
 
     Every eager call pays for these checks (a few microseconds of host): the common call (no block-end
     step, no preallocated outputs) reads each tensor's properties once and nothing else.
@@ -70,11 +73,12 @@ def check_inputs(
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
     device = x.device
+    own_shape = shape if own_rows is None else torch.Size((own_rows, shape[1]))
     # One condition a tensor for arguments that pass (the common case); the helpers name what failed.
     if residual is not None and not (isinstance(residual, torch.Tensor) and residual.dtype is dtype and
-                                     residual.shape == shape and residual.is_contiguous() and
+                                     residual.shape == own_shape and residual.is_contiguous() and
                                      residual.device == device):
-        check_like_rows("residual", residual, shape, device, dtype)
+        check_like_rows("residual", residual, own_shape, device, dtype)
     if epilogue.normed and not (isinstance(weight, torch.Tensor) and weight.dim() == 1
                                 and weight.shape[0] == shape[1]
                                 and (weight.dtype is dtype or weight.dtype is torch.float32)
@@ -83,7 +87,7 @@ def check_inputs(
             raise TypeError("weight must be a tensor (the RMSNorm gain), got None")
         check_row("weight", weight, shape, dtype, device)
     if epilogue is not PLAIN:
-        check_block_end(x, shape, epilogue, device)
+        epilogue.check(x, shape, device, own_shape)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     if out is None and residual_out is None:
@@ -100,12 +104,6 @@ def check_inputs(
         check_like_rows("residual_out", residual_out, shape, device, dtype)
     if out is not None and residual_out is not None and _overlap(out, residual_out):
         raise ValueError("out and residual_out share memory; y and h must go to separate tensors")
-
-
-def check_block_end(x: torch.Tensor, shape: torch.Size, epilogue: Epilogue, device: torch.device) -> None:
-    """The block end's tensors against the call (``shape``: the call's rows, [T, H]): each stage's checks
-    (``blockend.stages``); how the steps combine was checked when the block end was made."""
-    epilogue.check(x, shape, device)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

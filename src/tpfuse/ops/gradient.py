@@ -10,6 +10,7 @@ mode is on and an input requires a gradient; a quantised output refuses one.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from tpfuse.blockend.epilogue import Epilogue
 from tpfuse.blockend.gradient import block_end_backward, rmsnorm_weight_grad, sum_backward
@@ -150,3 +151,47 @@ def all_reduce_with_gradient(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum of ``x`` over the group, differentiable: each rank's ``x`` receives the (replicated) gradient
     of the sum, as a row-parallel layer's input does in tensor parallelism."""
     return _AllReduce.apply(group_name, x)
+
+
+class _ShardedBlockEnd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group_name, eps, x, residual, weight, bias):
+        epilogue = Epilogue(bias=bias)
+        y, h = torch.ops.tpfuse.reduce_scatter_add_rmsnorm_all_gather(x, residual, weight, eps, group_name,
+                                                                       **epilogue.kwargs())
+        ctx.save_for_backward(h, weight)
+        ctx.group_name, ctx.eps = group_name, eps
+        ctx.dtypes = (x.dtype, None if residual is None else residual.dtype, weight.dtype,
+                      None if bias is None else bias.dtype)
+        return y, h
+
+    @staticmethod
+    def backward(ctx, g_y, g_h):
+        h, weight = ctx.saved_tensors
+        rows = h.shape[0]
+        g_y = torch.zeros((rows * dist.get_world_size(group_by_name(ctx.group_name)), h.shape[1]),
+                          dtype=h.dtype, device=h.device) if g_y is None else g_y.to(h.dtype).contiguous()
+        g_h = torch.zeros_like(h) if g_h is None else g_h.to(h.dtype).contiguous()
+        # g_y is this rank's part of the gathered y's gradient: reduce-scattered, the norm's backward
+        # (+ g_h) on our rows and the result all-gathered, in one fused call
+        g_rows, g_y_sum = torch.ops.tpfuse.reduce_scatter_add_rmsnorm_all_gather(
+            g_y, None, weight, ctx.eps, ctx.group_name, norm_input=h, grad_h=g_h)
+        rank = dist.get_rank(group_by_name(ctx.group_name))
+        x_dtype, residual_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        # Each rank's rows give their part of the weight's gradient: summed over the ranks in rank order,
+        # the same on every rank (a replicated parameter's). The bias's comes from every row, gathered.
+        g_weight = _summed_over_ranks(rmsnorm_weight_grad(h, g_y_sum, ctx.eps), ctx.group_name)
+        own = g_rows[rank * rows:(rank + 1) * rows]
+        g_residual = None if residual_dtype is None else own.to(residual_dtype)
+        g_bias = None if bias_dtype is None else g_rows.float().sum(0).to(bias_dtype)
+        return None, None, g_rows.to(x_dtype), g_residual, g_weight.to(weight_dtype), g_bias
+
+
+def sharded_block_end_with_gradient(x, residual, weight, eps, group_name: str, epilogue: Epilogue):
+    """``(y, h)`` of a checked sharded call (sequence parallel) whose inputs require a gradient:
+    differentiable in x, the residual, the weight and the bias; y's gradient is each rank's part.
+    ValueError for a block end whose backward is not fused sharded (post-norm, LayerNorm)."""
+    if epilogue.sum_weight is not None or epilogue.layer_norm:
+        raise ValueError("a sequence-parallel block end trains with RMSNorm (and a bias): its post-norm and "
+                         "LayerNorm have no sharded backward")
+    return _ShardedBlockEnd.apply(group_name, eps, x, residual, weight, epilogue.bias)

@@ -13,7 +13,7 @@ import torch
 
 from tpfuse.blockend.bits import FP4_NONE, SCALES_ROWS
 from tpfuse.blockend.epilogue import Epilogue
-from tpfuse.ops.allreduce_add_rmsnorm import OUTPUTS, SCALE_LAYOUTS, check_block_end
+from tpfuse.ops.allreduce_add_rmsnorm import OUTPUTS, SCALE_LAYOUTS
 
 _lib = torch.library.Library("tpfuse", "FRAGMENT")
 _lib.define("quantize_fp4(Tensor y, int fp4, Tensor? global_scale, int scale_layout=0) -> (Tensor, Tensor)")
@@ -34,7 +34,7 @@ def _check(y: torch.Tensor, fp4: int, global_scale: torch.Tensor | None,
     # the fused op's own checks of its fp4 output: the group divides the row, the global scale's form,
     # the scales' layout
     epilogue = Epilogue(fp4=fp4, global_scale=global_scale, scale_layout=scale_layout)
-    check_block_end(y, y.shape, epilogue, y.device)
+    epilogue.check(y, y.shape, y.device)
     return epilogue
 
 

@@ -6,7 +6,8 @@ rank, the kernel that does the block end alone. :meth:`Route.run` sends a checke
 goes (``select.ROUTES``): the local kernel, one fused call (one-shot or two-shot, as the communicator
 plans it and keeps the plan), fused calls of the workspace's rows (a call larger than it), or the
 reference path (the group's own all-reduce in fp32, then the block end in torch). In batch-invariant
-mode (``ops.determinism``) every call that tpfuse's kernels do not run takes the gathered path instead:
+mode (``ops.determinism``) every call that tpfuse's kernels do not run takes the gathered path instead
+(and so does every sharded call, sequence parallel's, that they do not run):
 every rank's part all-gathered and summed in ascending rank order in fp32, then the kernels' block end
 (the local kernel where the kernels run, else torch), so a row's bits never depend on the path.
 
@@ -106,6 +107,8 @@ class Route:
 
     def run(self, call: FusedCall) -> None:
         """Run a checked call as :meth:`plan` says; record it in ``tpfuse.stats()``."""
+        if call.sharded and self.world_size == 1:  # one rank owns every row
+            call = call._replace(sharded=False)
         plan = self.plan(call)
         route = plan.route
         if plan.launch is not None:  # one fused call: the common route first
@@ -113,7 +116,7 @@ class Route:
         elif route == select.LOCAL:
             self._local[call.x.device](call)
             _stats.record("triton.local")
-        elif plan is _GATHERED:
+        elif plan is _GATHERED or (call.sharded and route == select.REFERENCE):
             self._run_gathered(call)
         elif route == select.REFERENCE:
             self._run_reference(call)
@@ -138,6 +141,13 @@ class Route:
         the ranks' calls stay compared and every wait bounded (docs/reliability.md)."""
         checking = self._checking(call.x)
         try:
+            if call.sharded:  # parts of whole rows of every rank's shard (``chunk_rows`` a rank)
+                for start in range(0, call.own_rows, chunk_rows):
+                    stop = min(start + chunk_rows, call.own_rows)
+                    part = call.shard_part(start, stop, self.world_size)
+                    self._run_fused(part, self.comm.plan(part), checking)
+                    call.place_shard_part(part, start, stop, self.world_size)
+                return
             for start in range(0, call.n_tokens, chunk_rows):
                 part = call.rows(start, min(start + chunk_rows, call.n_tokens))
                 self._run_fused(part, self.comm.plan(part), checking)
@@ -185,7 +195,11 @@ class Route:
         part = part_as_sent(call)
         parts = agreement.all_gather(part.contiguous().view(torch.uint8), group,
                                      timeout if checking else None, "a batch-invariant all-gather")
-        block_end_of_parts(call, [p.view(x.dtype) for p in parts])
+        parts = [p.view(x.dtype) for p in parts]
+        if call.sharded:
+            _block_end_of_shards(call, parts, group, timeout if checking else None)
+        else:
+            block_end_of_parts(call, parts)
         _stats.record("gathered")
 
     def _checking(self, x: torch.Tensor) -> bool:
@@ -231,6 +245,28 @@ def block_end_of_parts(call: FusedCall, parts: list[torch.Tensor]) -> None:
         kernel(call._replace(x=total, epilogue=epilogue))
     else:
         _block_end_in_torch(call._replace(epilogue=epilogue), total)
+
+
+def _block_end_of_shards(call: FusedCall, parts: list[torch.Tensor], group: dist.ProcessGroup,
+                         timeout: float | None) -> None:
+    """A sharded call's outputs from every rank's part: the ranks' h-side rows (the residual, the norm
+    backward's inputs) gathered too, the whole call's block end as :func:`block_end_of_parts` makes it,
+    this rank's rows of h kept."""
+    def gathered(t):
+        if t is None:
+            return None
+        rows = agreement.all_gather(t.contiguous().view(torch.uint8), group, timeout, "a sharded call's rows")
+        return torch.cat([r.view(t.dtype) for r in rows])
+
+    epilogue = call.epilogue
+    own = {name: gathered(getattr(epilogue, name)) for stage in epilogue.stages
+           if stage is not None and stage.on_own_rows for name in stage.per_row}
+    h = torch.empty_like(parts[0])
+    whole = call._replace(residual=gathered(call.residual), h=h, sharded=False,
+                          epilogue=dataclasses.replace(epilogue, **own) if own else epilogue)
+    block_end_of_parts(whole, parts)
+    rank = dist.get_rank(group)
+    call.h.copy_(h[rank * call.own_rows:(rank + 1) * call.own_rows])
 
 
 def sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,209 @@
+"""Sequence parallel's block end (ops.sequence_parallel, the two-shot's SHARDED rows) on 2, 3 and 4 CPU
+ranks running the kernels: every block end against float64; a row's bits the same through the sharded
+call, the all-reduce op, parts of a call over the workspace, the gathered path and in batches of other
+sizes; the fused backward against float64 and the all-reduce backward's bits; autograd's gradients
+against autograd of the unfused chain (reduce-scatter, add, norm, all-gather) in float64."""
+
+import pytest
+import torch
+
+import tpfuse
+from tpfuse.testing.cases import Case, check_results
+
+pytestmark = pytest.mark.slow
+
+#: Block ends through the sharded call: each step, fp16, no residual, static fp8, MoE-free.
+CASES = [
+    Case(12, 512, seed=1),
+    Case(24, 2880, torch.float16, residual=False, seed=2),
+    Case(12, 512, seed=3, bias=True, sum_norm=True),
+    Case(12, 520, seed=4, layer_norm=True, norm_bias=True),
+    Case(24, 512, seed=5, quant_scale=0.05, cancelling=True),
+]
+
+
+def _own(t, rank, world_size):
+    rows = t.shape[0] // world_size
+    return t[rank * rows:(rank + 1) * rows].contiguous()
+
+
+def _step_kwargs(inputs, case):
+    return dict(quant_scale=inputs["quant_scale"], bias=inputs["bias"], sum_weight=inputs["sum_weight"],
+                layer_norm=case.layer_norm, norm_bias=inputs["norm_bias"])
+
+
+def _forward(rank, world_size, cases, max_tokens, hidden=4096):
+    tpfuse.get_communicator(max_tokens=max_tokens, hidden=hidden)
+    tpfuse.reset_stats()
+    out = []
+    for case in cases:
+        inp = case.inputs(world_size)
+        residual = None if inp["residual"] is None else _own(inp["residual"], rank, world_size)
+        kwargs = _step_kwargs(inp, case)
+        y, h = tpfuse.reduce_scatter_add_rmsnorm_all_gather(inp["xs"][rank], residual, inp["weight"],
+                                                            case.eps, **kwargs)
+        y_ar, h_ar = tpfuse.allreduce_add_rmsnorm(inp["xs"][rank], inp["residual"], inp["weight"], case.eps,
+                                                  **kwargs)
+        # The same rows in a smaller batch: the first row of every rank's shard, as a call of W rows.
+        rows = case.tokens // world_size
+        firsts = [x[::rows].contiguous() for x in inp["xs"]]
+        first_residual = None if residual is None else residual[:1].contiguous()
+        y_small, h_small = tpfuse.reduce_scatter_add_rmsnorm_all_gather(firsts[rank], first_residual,
+                                                                        inp["weight"], case.eps, **kwargs)
+        out.append(dict(y=y, h=h, y_ar=y_ar, h_ar=h_ar, y_small=y_small, h_small=h_small))
+    return {"outputs": out, "stats": tpfuse.stats()}
+
+
+def _check_forward(cases, world_size, results):
+    for i, case in enumerate(cases):
+        got = [res["outputs"][i] for res in results]
+        h = torch.cat([g["h"] for g in got])
+        check_results(case, world_size, [(g["y"], h) for g in got])
+        rows = case.tokens // world_size
+        for rank, g in enumerate(got):
+            assert torch.equal(g["y"].view(torch.uint8), g["y_ar"].view(torch.uint8)), (case, rank)
+            assert torch.equal(g["h"], _own(g["h_ar"], rank, world_size)), (case, rank)
+            assert torch.equal(g["y_small"].view(torch.uint8), g["y"][::rows].view(torch.uint8)), (case, rank)
+            assert torch.equal(g["h_small"], g["h"][:1]), (case, rank)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_every_block_end_sharded_against_float64_and_the_all_reduce_bits(rank_pool, world_size):
+    cases = CASES if world_size == 2 else CASES[::2]
+    results = rank_pool(world_size).run(_forward, cases, 64, timeout=900)
+    _check_forward(cases, world_size, results)
+    for res in results:  # every sharded call ran fused (two-shot), beside the all-reduce's calls
+        assert res["stats"].get("triton.twoshot", 0) >= 2 * len(cases), res["stats"]
+
+
+def test_calls_over_the_workspace_run_in_parts_with_the_same_bits(rank_pool):
+    # A workspace of 8 rows of 512: 12 and 24 rows run as sharded parts of 4 rows of every rank's shard.
+    cases = [CASES[0], CASES[4]]
+    results = rank_pool(2).run(_forward, cases, 8, 512)
+    _check_forward(cases, 2, results)
+    for res in results:  # (12 + 24) / 8 parts sharded, as many all-reduce parts, 2 calls of 2 rows
+        assert res["stats"]["triton.twoshot"] + res["stats"].get("triton.oneshot", 0) >= 2 * 5 + 2, res
+
+
+def _gathered(rank, world_size, cases):
+    """No communicator: every sharded call takes the gathered path."""
+    tpfuse.reset_stats()
+    out = []
+    for case in cases:
+        inp = case.inputs(world_size)
+        y, h = tpfuse.reduce_scatter_add_rmsnorm_all_gather(
+            inp["xs"][rank], _own(inp["residual"], rank, world_size), inp["weight"], case.eps,
+            **_step_kwargs(inp, case))
+        out.append((y, h))
+    return {"outputs": out, "stats": tpfuse.stats()}
+
+
+def test_without_a_communicator_the_gathered_path_gives_the_kernels_bits(rank_pool):
+    cases = [CASES[0], CASES[2]]
+    fused = rank_pool(2).run(_forward, cases, 64)
+    gathered = rank_pool(2).run(_gathered, cases)
+    for res in gathered:
+        assert res["stats"] == {"gathered": len(cases)}, res["stats"]
+    for i in range(len(cases)):
+        for rank in range(2):
+            y, h = gathered[rank]["outputs"][i]
+            want = fused[rank]["outputs"][i]
+            assert torch.equal(y, want["y"]) and torch.equal(h, want["h"]), (i, rank)
+
+
+HIDDEN, EPS = 512, 1e-5
+
+
+def _grad_inputs(world_size, rows, bias):
+    g = torch.Generator().manual_seed(11 + rows)
+    bf = torch.bfloat16
+    return dict(xs=[torch.randn(rows, HIDDEN, generator=g).to(bf) for _ in range(world_size)],
+                residual=torch.randn(rows, HIDDEN, generator=g).to(bf),
+                weight=(1 + 0.1 * torch.randn(HIDDEN, generator=g)).to(bf),
+                bias=(0.5 * torch.randn(HIDDEN, generator=g)).to(bf) if bias else None,
+                g_ys=[torch.randn(rows, HIDDEN, generator=g).to(bf) for _ in range(world_size)],
+                g_h=torch.randn(rows, HIDDEN, generator=g).to(bf))
+
+
+def _backward(rank, world_size, rows, bias):
+    tpfuse.get_communicator(max_tokens=64, hidden=4096)
+    inp = _grad_inputs(world_size, rows, bias)
+    own = {k: _own(inp[k], rank, world_size) for k in ("residual", "g_h")}
+    # the fused backward alone, beside the all-reduce backward of the same rows
+    a = inp["residual"]
+    grad_in, g_sum = tpfuse.reduce_scatter_rmsnorm_backward_all_gather(
+        inp["g_ys"][rank], _own(a, rank, world_size), inp["weight"], EPS, own["g_h"])
+    grad_in_ar, g_sum_ar = tpfuse.allreduce_rmsnorm_backward(inp["g_ys"][rank], a, inp["weight"], EPS,
+                                                             inp["g_h"])
+    # autograd through the op
+    x = inp["xs"][rank].clone().requires_grad_()
+    residual = own["residual"].clone().requires_grad_()
+    weight = inp["weight"].clone().requires_grad_()
+    b = None if inp["bias"] is None else inp["bias"].clone().requires_grad_()
+    y, h = tpfuse.reduce_scatter_add_rmsnorm_all_gather(x, residual, weight, EPS, bias=b)
+    torch.autograd.backward((y, h), (inp["g_ys"][rank], own["g_h"]))
+    return dict(grad_in=grad_in, g_sum=g_sum, grad_in_ar=grad_in_ar, g_sum_ar=g_sum_ar, x=x.grad,
+                residual=residual.grad, weight=weight.grad, bias=None if b is None else b.grad)
+
+
+def _float64_gradients(inp, world_size):
+    """Autograd of reduce-scatter -> (+ bias) -> + residual rows -> RMSNorm -> all-gather in float64, every
+    rank's y gradient its part (summed by the all-gather's backward)."""
+    xs = [x.double().requires_grad_() for x in inp["xs"]]
+    residual = inp["residual"].double().requires_grad_()
+    weight = inp["weight"].double().requires_grad_()
+    bias = None if inp["bias"] is None else inp["bias"].double().requires_grad_()
+    s = torch.stack(xs).sum(0)
+    if bias is not None:
+        s = s + bias
+    h = s + residual
+    y = h * torch.rsqrt((h * h).mean(-1, keepdim=True) + EPS) * weight
+    g_y = torch.stack([g.double() for g in inp["g_ys"]]).sum(0)
+    torch.autograd.backward((y, h), (g_y, inp["g_h"].double()))
+    return dict(x=xs[0].grad, residual=residual.grad, weight=weight.grad,
+                bias=None if bias is None else bias.grad)
+
+
+@pytest.mark.parametrize("world_size, rows", [(2, 8), (3, 12)])
+def test_the_fused_backward_and_autograd_against_float64(rank_pool, world_size, rows):
+    results = rank_pool(world_size).run(_backward, rows, True)
+    inp = _grad_inputs(world_size, rows, True)
+    ref = _float64_gradients(inp, world_size)
+    for rank, res in enumerate(results):
+        # a row's bits: the all-reduce backward's
+        assert torch.equal(res["grad_in"], res["grad_in_ar"])
+        assert torch.equal(res["g_sum"], _own(res["g_sum_ar"], rank, world_size))
+        assert torch.equal(res["x"], results[0]["x"]) and torch.equal(res["weight"], results[0]["weight"])
+        for name, scale in (("x", 1), ("residual", 1), ("weight", rows), ("bias", rows)):
+            expected = ref[name] if name != "residual" else _own(ref[name], rank, world_size)
+            torch.testing.assert_close(res[name].double(), expected, atol=2e-2 * scale, rtol=2e-2,
+                                       msg=f"rank {rank}: {name}")
+
+
+def _mismatched(rank, world_size):
+    tpfuse.get_communicator(max_tokens=16, hidden=4096, wait_timeout_s=20)
+    x, weight = torch.randn(8, 64).bfloat16(), torch.ones(64).bfloat16()
+    errors = []
+    for call in (lambda: tpfuse.reduce_scatter_add_rmsnorm_all_gather(torch.randn(7, 64).bfloat16(), None,
+                                                                       weight, 1e-5),
+                 lambda: tpfuse.reduce_scatter_add_rmsnorm_all_gather(x, torch.randn(8, 64).bfloat16(),
+                                                                       weight, 1e-5)):
+        try:
+            call()
+        except ValueError as e:
+            errors.append(str(e))
+    try:  # one rank sharded, the other an all-reduce of the same rows: the kernels compare the calls
+        if rank == 0:
+            tpfuse.reduce_scatter_add_rmsnorm_all_gather(x, None, weight, 1e-5)
+        else:
+            tpfuse.allreduce_add_rmsnorm(x, None, weight, 1e-5)
+    except RuntimeError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_bad_calls_are_named(rank_pool):
+    for errors in rank_pool(2).run(_mismatched):
+        assert "7 rows" in errors[0] and "multiple of 2" in errors[0], errors
+        assert "residual" in errors[1] and "(4, 64)" in errors[1], errors
+        assert len(errors) == 3 and "rows sharded (sequence parallel)" in errors[2], errors
