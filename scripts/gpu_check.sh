@@ -5,7 +5,7 @@
 # counts, 5 providers), `variants` 2 min, the end-to-end benchmark 3-5 min: a 10-minute device call
 # holds one part.
 # Usage (device tool, carry [".anchors"] for FlashInfer):
-#   bash scripts/gpu_check.sh [one-gpu|host|quick|tests|bench|variants|epilogues|baseline|e2e|hf|hf-pairs|soak-start|soak-wait]
+#   bash scripts/gpu_check.sh [one-gpu|timings|host|quick|tests|bench|variants|epilogues|baseline|e2e|hf|hf-pairs|soak-start|soak-wait]
 # Needs: 2+ GPUs, python3 with torch (>= 2.11) and triton; nothing is installed from a registry.
 # Runs on NVIDIA (CUDA torch) and AMD (ROCm torch: MI300X, MI355X) alike: on ROCm the topology comes
 # from rocm-smi and FlashInfer (NVIDIA only) leaves the providers.
@@ -40,8 +40,9 @@ host_cost() {
 # `one-gpu`: what one GPU can show. The fast lane on the GPU (kernels compiled for it: the compile
 # test, the one-GPU kernel tests, world size 1, two ranks sharing the GPU reducing rows in batches),
 # two ranks sharing the GPU (GPU us a call), batch-invariant mode's gathered path beside the reference
-# path, a block end's backward fused against unfused, and the host us a call of the launchers and the
-# eager op (two ranks on the GPU) beside torch's chain.
+# path, a block end's backward fused against unfused, sequence parallel's block end against the
+# all-reduce's and unfused, and the host us a call of the launchers and the eager op (two ranks on the
+# GPU) beside torch's chain. `timings`: the latency scripts alone.
 if [ "$MODE" = one-gpu ]; then
   echo "== one GPU: the fast lane, kernels compiled for this GPU =="
   # A fresh machine compiles every kernel first: 2026-12-07 on one H100 that ran past 300 s (302 tests
@@ -57,7 +58,18 @@ if [ "$MODE" = one-gpu ]; then
   echo "== a block end's backward fused against unfused: two ranks on one GPU (GPU us) =="
   timeout 240 python3 scripts/backward_latency.py 2>&1 | tee "$OUT/backward.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  echo "== sequence parallel: the sharded block end against the all-reduce's and unfused: two ranks on one GPU (GPU us) =="
+  timeout 240 python3 scripts/sequence_parallel_latency.py 2>&1 | tee "$OUT/sequence-parallel.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
   host_cost
+  exit $status
+fi
+if [ "$MODE" = timings ]; then
+  for script in backward_latency sequence_parallel_latency loopback_latency; do
+    echo "== $script (two ranks on one GPU, GPU us) =="
+    timeout 240 python3 "scripts/$script.py" 2>&1 | tee "$OUT/$script.log" | grep -v -i warn
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
   exit $status
 fi
 if [ "$MODE" = host ]; then host_cost; exit $status; fi

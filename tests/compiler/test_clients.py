@@ -362,12 +362,18 @@ class TitanModel(nn.Module):
         return self.output(self.norm(h))
 
 
-def _titan_tp(world_size):
+def _titan_tp(world_size, sequence_parallel=False):
     """TitanModel under torch's parallelize_module, as torchtitan's plain TP plan (seeded: every call the
-    same weights)."""
+    same weights); ``sequence_parallel``: as its default plan, norms on sequence shards."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(0)
@@ -375,16 +381,33 @@ def _titan_tp(world_size):
     for name, p in model.named_parameters():  # norm weights away from 1, so a wrong weight would show
         if "norm" in name:
             nn.init.normal_(p, 1.0, 0.1)
+    if not sequence_parallel:
+        parallelize_module(model, mesh, {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        })
+        for block in model.layers:
+            parallelize_module(block, mesh, {
+                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(),
+            })
+        return model
+    gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Replicate()),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     })
     for block in model.layers:
         parallelize_module(block, mesh, {
+            "attention_norm": SequenceParallel(), "attention": gathered,
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(), "feed_forward": gathered,
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         })
     return model
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 HIDDEN, LIMIT = 64, 16
 
 
-def _titan_llama(world_size):
+def _titan_llama(world_size, sequence_parallel=False, spmd_backend="partial_dtensor"):
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.tools.utils as titan_utils
     from torchtitan.distributed import ParallelDims
@@ -25,7 +25,7 @@ def _titan_llama(world_size):
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     parallel_dims.device_type = titan_utils.device_type = "cpu"  # torchtitan assumes a GPU
-    set_spmd_backend("partial_dtensor")
+    set_spmd_backend(spmd_backend)
     llama3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
     heads = 4
     config = llama3.Llama3Model.Config(
@@ -36,14 +36,14 @@ def _titan_llama(world_size):
         lm_head=Linear.Config(in_features=HIDDEN, out_features=256,
                               param_init=llama3._output_linear_init(HIDDEN)),
         layers=llama3._build_llama3_layers(
-            fuse_qkv=True, n_layers=2, dim=HIDDEN, n_heads=heads, hidden_dim=128,
+            fuse_qkv=spmd_backend != "spmd_types", n_layers=2, dim=HIDDEN, n_heads=heads, hidden_dim=128,
             rope=ComplexRoPE.Config(dim=HIDDEN // heads, max_seq_len=256, theta=500000, scaling="llama"),
             attn_backend="sdpa"))
-    set_llama3_sharding_config(config, enable_sp=False)
+    set_llama3_sharding_config(config, enable_sp=sequence_parallel)
     torch.manual_seed(0)
     model = config.build()
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world_size, pp=1, ep=1, world_size=world_size,
-                        spmd_backend="partial_dtensor")
+                        spmd_backend=spmd_backend)
     dims.build_mesh()
     model.parallelize(dims)
     model.init_states(buffer_device=torch.device("cpu"))

@@ -25,6 +25,7 @@ import pathlib
 import types
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +36,8 @@ from tpfuse.compiler.sizes import describe_shape, static_int, token_count
 
 log = logging.getLogger("tpfuse.compiler")
 _FUNCOL_ALL_REDUCE = (torch.ops._c10d_functional.all_reduce, torch.ops._c10d_functional.all_reduce.default)
+_FUNCOL_REDUCE_SCATTER = (torch.ops._c10d_functional.reduce_scatter_tensor,
+                          torch.ops._c10d_functional.reduce_scatter_tensor.default)
 
 
 @dataclass
@@ -54,8 +57,19 @@ def _is_dtensor(value) -> bool:
     return type(value).__name__ == "DTensor" and hasattr(value, "placements")
 
 
-def _dtensor_all_reduce(node: torch.fx.Node):
-    """(group name, reduce op, local value) when ``node`` turns a Partial DTensor into a Replicate one."""
+class DynamoSite(NamedTuple):
+    """A reduction of a dynamo graph: an all-reduce, or (``sharded``) a reduce-scatter, sequence
+    parallel's."""
+
+    group_name: str
+    reduce_op: str
+    value: torch.Tensor
+    sharded: bool = False
+
+
+def _dtensor_reduction(node: torch.fx.Node) -> DynamoSite | None:
+    """The reduction when ``node`` turns a Partial DTensor into a Replicate one (an all-reduce) or a Shard
+    one (a reduce-scatter)."""
     out = node.meta.get("example_value")
     if not _is_dtensor(out):
         return None
@@ -64,22 +78,25 @@ def _dtensor_all_reduce(node: torch.fx.Node):
         if not _is_dtensor(value) or value.device_mesh != out.device_mesh:
             continue
         for dim, (before, after) in enumerate(zip(value.placements, out.placements)):
-            if before.is_partial() and after.is_replicate():
+            if before.is_partial() and (after.is_replicate() or after.is_shard()):
                 local = getattr(out, "_local_tensor", out)
-                return out.device_mesh.get_group(dim).group_name, str(before.reduce_op), local
+                return DynamoSite(out.device_mesh.get_group(dim).group_name, str(before.reduce_op), local,
+                                  after.is_shard())
     return None
 
 
-def dynamo_all_reduces(gm: torch.fx.GraphModule) -> list[tuple[str, str, torch.Tensor]]:
-    """(group name, reduce op, value) of every all-reduce in a dynamo graph, in graph order."""
+def dynamo_reductions(gm: torch.fx.GraphModule) -> list[DynamoSite]:
+    """Every all-reduce and reduce-scatter of a dynamo graph, in graph order."""
     found = []
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _FUNCOL_ALL_REDUCE:
-            value, reduce_op, group_name = node.meta.get("example_value"), node.args[1], node.args[2]
+        if node.op == "call_function" and node.target in _FUNCOL_ALL_REDUCE + _FUNCOL_REDUCE_SCATTER:
+            value, reduce_op = node.meta.get("example_value"), node.args[1]
+            sharded = node.target in _FUNCOL_REDUCE_SCATTER
+            group_name = node.args[3 if sharded else 2]
             if isinstance(value, torch.Tensor) and isinstance(group_name, str):
-                found.append((group_name, str(reduce_op), value))
+                found.append(DynamoSite(group_name, str(reduce_op), value, sharded))
         elif node.op in ("call_function", "call_method"):
-            site = _dtensor_all_reduce(node)
+            site = _dtensor_reduction(node)
             if site is not None:
                 found.append(site)
     return found
@@ -88,7 +105,7 @@ def dynamo_all_reduces(gm: torch.fx.GraphModule) -> list[tuple[str, str, torch.T
 def plan_graph(gm: torch.fx.GraphModule) -> GraphPlan:
     """Which all-reduces of a dynamo graph could fuse, and the token bounds that make them fuse."""
     plan = GraphPlan()
-    for group_name, reduce_op, value in dynamo_all_reduces(gm):
+    for group_name, reduce_op, value, sharded in dynamo_reductions(gm):
         hidden = static_int(value.shape[-1]) if value.dim() >= 2 else None
         if hidden is None:
             limit, reason = 0, Reason("hidden",
@@ -98,10 +115,13 @@ def plan_graph(gm: torch.fx.GraphModule) -> GraphPlan:
         tokens = token_count(value.shape)
         if reason is None and isinstance(tokens, int) and tokens > limit:
             reason = Reason("tokens", f"{tokens} tokens exceed the fusion limit {limit}")
+        if sharded:  # sequence parallel's: the op takes any size (in parts), so no range either
+            reason = None if reason is None or reason.code == "tokens" else reason
         if reason is not None:
             shape = describe_shape(value.shape)
-            plan.sites.append(SiteReport(shape, value.dtype, group_name, False, None, reason))
-        elif isinstance(tokens, int) or limit >= UNBOUNDED_LIMIT:  # batch-invariant mode: no range
+            plan.sites.append(SiteReport(shape, value.dtype, group_name, False, None, reason,
+                                         collective="reduce-scatter" if sharded else "all-reduce"))
+        elif sharded or isinstance(tokens, int) or limit >= UNBOUNDED_LIMIT:  # batch-invariant mode: no range
             plan.static_fusable += 1
         else:
             key = str(tokens)

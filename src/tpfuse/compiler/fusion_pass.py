@@ -16,7 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from tpfuse import _stats
 from tpfuse.comm.communicator import fusion_signature, lookup_communicator
 from tpfuse.compiler import backward_sites, vllm_sites
-from tpfuse.compiler.matchers import ALL_REDUCE, WAIT, meta_val
+from tpfuse.compiler.matchers import ALL_REDUCE, REDUCE_SCATTER, WAIT, collective_args, meta_val
 from tpfuse.compiler.patterns import (
     PATTERNS,
     UNBOUNDED_LIMIT,
@@ -48,6 +48,7 @@ class SiteReport:
     pattern: str | None = None
     reason: Reason | None = None
     plain: bool = False  # not fused, but on tpfuse's plain all-reduce (``tpfuse.all_reduce``)
+    collective: str = "all-reduce"  # or "reduce-scatter": sequence parallel's site
 
     def __post_init__(self):
         if not self.fused and not isinstance(self.reason, Reason):
@@ -64,7 +65,12 @@ class SiteReport:
         what = f"fused ({self.pattern})" if self.fused else f"not fused: {self.reason}"
         what += "; runs on tpfuse's plain all-reduce" if self.plain else ""
         dtype = str(self.dtype).replace("torch.", "")
-        return f"all-reduce [{shape}] {dtype} group {self.group_name!r}: {what}"
+        return f"{self.collective} [{shape}] {dtype} group {self.group_name!r}: {what}"
+
+
+def sharded_name(pattern_name: str) -> str:
+    """A pattern's name where its site is sequence parallel's: ``ReduceScatterAddRMSNormAllGather``."""
+    return pattern_name.replace("AllReduce", "ReduceScatter", 1) + "AllGather"
 
 
 def summarize(sites: list[SiteReport]) -> str:
@@ -72,7 +78,10 @@ def summarize(sites: list[SiteReport]) -> str:
     fused, plain = sum(s.fused for s in sites), sum(s.plain for s in sites)
     reasons = collections.Counter(s.reason for s in sites if not s.fused)
     detail = "; ".join(f"{n} x {reason}" for reason, n in reasons.items())
-    return (f"fused {fused} of {len(sites)} all-reduce sites" + (f"; not fused: {detail}" if detail else "")
+    return (f"fused {fused} of {len(sites)} all-reduce sites"
+            + (f" ({sum(s.collective != 'all-reduce' for s in sites)} of them reduce-scatters)"
+               if any(s.collective != "all-reduce" for s in sites) else "")
+            + (f"; not fused: {detail}" if detail else "")
             + (f"; {plain} of those on tpfuse's plain all-reduce" if plain else ""))
 
 
@@ -115,10 +124,13 @@ def site_limit(group_name: str, reduce_op: str, hidden: int, dtype: torch.dtype)
     return limit, None
 
 
-def _describe(node: torch.fx.Node) -> tuple[tuple, torch.dtype, str]:
-    val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+def _describe(node: torch.fx.Node) -> dict:
+    """A site's SiteReport fields: its input's shape and dtype, its group and which collective it is."""
+    x, _, group_name, shards = collective_args(node)
+    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     shape = describe_shape(val.shape) if val is not None else ()
-    return shape, getattr(val, "dtype", None), str(node.args[2])
+    return dict(shape=shape, dtype=getattr(val, "dtype", None), group_name=str(group_name),
+                collective="reduce-scatter" if shards else "all-reduce")
 
 
 class FusionPass(CustomGraphPass):
@@ -198,10 +210,12 @@ class FusionPass(CustomGraphPass):
         # (report, the all-reduce when it stayed unfused: it may still run on tpfuse's plain all-reduce)
         entries: list[tuple[SiteReport, torch.fx.Node | None]] = []
         merged = set()
-        for node in [n for n in graph.nodes if n.op == "call_function" and n.target == ALL_REDUCE]:
+        collectives = [n for n in graph.nodes
+                       if n.op == "call_function" and n.target in (ALL_REDUCE, REDUCE_SCATTER)]
+        for node in collectives:
             if node in merged:  # a second branch of a site fused before: reported with it
                 continue
-            shape, dtype, group_name = _describe(node)
+            site = _describe(node)
             refused = None  # the first (longest) pattern that matched but may not fuse, and why
             for pattern in PATTERNS:
                 match = pattern.search(node)
@@ -209,7 +223,8 @@ class FusionPass(CustomGraphPass):
                     continue
                 reason = pattern.extra_check(match, self._token_bound, self._site_limit(match))
                 if reason is None:
-                    reports = [SiteReport(*_describe(n), True, pattern.name)
+                    name = sharded_name(pattern.name) if match.shards else pattern.name
+                    reports = [SiteReport(**_describe(n), fused=True, pattern=name)
                                for n in [node] + match.merged]
                     if str(match.tokens) in self.token_bounds:
                         _bounds_relied_on[self._tag].add(str(match.tokens))
@@ -219,12 +234,14 @@ class FusionPass(CustomGraphPass):
                     break
                 refused = refused or (pattern.name, reason)
             else:
-                if refused is None and (backward := backward_sites.find_site(node)) is not None:
+                if refused is None and node.target == ALL_REDUCE and (
+                        backward := backward_sites.find_site(node)) is not None:
                     refused = self._fuse_backward_site(graph, backward, entries, merged)
                     if refused is None:
                         continue
                 pattern_name, reason = refused or (None, unmatched_reason(node))
-                entries.append((SiteReport(shape, dtype, group_name, False, pattern_name, reason), node))
+                entries.append((SiteReport(**site, fused=False, pattern=pattern_name, reason=reason),
+                                node if node.target == ALL_REDUCE else None))
         # A site that a later one took in as its second branch is reported with that one only.
         entries = [(report, node) for report, node in entries if node not in merged]
         entries += [self._fuse_vllm_site(node) for node in vllm_sites.all_reduces(graph)]
@@ -248,7 +265,7 @@ class FusionPass(CustomGraphPass):
             return backward_sites.PATTERN, reason
         if str(match.tokens) in self.token_bounds:
             _bounds_relied_on[self._tag].add(str(match.tokens))
-        entries += [(SiteReport(*_describe(n), True, backward_sites.PATTERN), None)
+        entries += [(SiteReport(**_describe(n), fused=True, pattern=backward_sites.PATTERN), None)
                     for n in match.all_reduces]
         merged.update(match.all_reduces[1:])
         backward_sites.replace(graph, match)

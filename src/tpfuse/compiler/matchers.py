@@ -23,6 +23,10 @@ from tpfuse.targets import Fp8Format, fp8_format
 aten, prims = torch.ops.aten, torch.ops.prims
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
+#: Sequence parallel's collectives (over dim 0): ``reduce_scatter_tensor(x, op, W, group)`` and
+#: ``all_gather_into_tensor(y, W, group)``.
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 #: Ops that change only how rows are grouped, looked through between the all-reduce, the add and the norm.
 VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default,
          aten.squeeze.dim, aten.squeeze.default, getattr(aten.squeeze, "dims", aten.squeeze.dim))
@@ -30,6 +34,26 @@ VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, ate
 
 def is_call(node: object, *targets) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def collective_args(node: Node) -> tuple[Node, str, str, int]:
+    """(x, reduce op, group name, W or 0) of an all-reduce (0) or a reduce-scatter (its W) site."""
+    if node.target == REDUCE_SCATTER:
+        x, reduce_op, shards, group_name = node.args[:4]
+        return x, reduce_op, group_name, shards
+    x, reduce_op, group_name = node.args[:3]
+    return x, reduce_op, group_name, 0
+
+
+def gathered(out: Node, group_name: str, shards: int, hidden: int) -> tuple[Node, list[Node]] | None:
+    """The all-gather of ``out`` (through row views) over the group's ``shards`` ranks, waited on: (the wait,
+    the nodes from ``out`` to it), or None."""
+    views = row_views(out, hidden)
+    gather = only_user(views[-1])
+    if not is_call(gather, ALL_GATHER) or (gather.args[1], str(gather.args[2])) != (shards, str(group_name)):
+        return None
+    wait = only_user(gather)
+    return (wait, views + [gather]) if is_call(wait, WAIT) else None
 
 
 def is_add(node: object) -> bool:

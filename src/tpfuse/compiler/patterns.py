@@ -50,12 +50,15 @@ from torch.fx import Graph, Node
 from tpfuse import select
 from tpfuse.compiler.matchers import (
     ALL_REDUCE,
+    REDUCE_SCATTER,
     VIEWS,
     WAIT,
     Finalize,
     aten,
     bias_of,
+    collective_args,
     fp8_of,
+    gathered,
     is_add,
     is_call,
     is_scalar,
@@ -134,6 +137,9 @@ class Match:
     fp4: int = 0  # fp4 output (blockend.bits.FP4_*): the scales are the op's in their own layout
     global_scale: Node | None = None  # NVFP4: the global scale
     finalize: Finalize | None = None  # the MoE finalize that makes x, done in the op instead
+    # Sequence parallel: the site is a reduce-scatter over this many ranks (0: an all-reduce); x holds their
+    # rows, h this rank's, and ``out`` is the all-gather of the normed rows
+    shards: int = 0
 
     @property
     def tokens(self):
@@ -199,18 +205,20 @@ class FusionPattern:
         return self.output is not Unquantised
 
     def search(self, all_reduce: Node) -> Match | None:
-        if not is_call(all_reduce, ALL_REDUCE):
+        """The site at ``all_reduce`` (or at a reduce-scatter whose normed rows are all-gathered: sequence
+        parallel's block end, unquantised and of one branch) as this pattern has it, or None."""
+        if not is_call(all_reduce, ALL_REDUCE, REDUCE_SCATTER):
             return None
         wait = only_user(all_reduce)
         if not is_call(wait, WAIT) or not isinstance(meta_val(wait), torch.Tensor) or meta_val(wait).dim() < 1:
             return None
-        x, reduce_op, group_name = all_reduce.args[:3]
+        x, reduce_op, group_name, shards = collective_args(all_reduce)
         hidden = static_int(meta_val(wait).shape[-1])
-        if hidden is None:
+        if hidden is None or (shards and (self.quantised or self.branches > 1)):
             return None
         chain = row_views(wait, hidden)
         m = Match(all_reduce=all_reduce, x=x, group_name=group_name, reduce_op=reduce_op, h=chain[-1],
-                  out=chain[-1], weight=None, eps=0.0, hidden=hidden)
+                  out=chain[-1], weight=None, eps=0.0, hidden=hidden, shards=shards)
         steps = list(chain)  # nodes from the sum to h
 
         def follow(node: Node) -> Node:  # the views after a step belong to it
@@ -218,7 +226,7 @@ class FusionPattern:
             steps.extend(views)
             return views[-1]
 
-        if not self.scaled and self.branches == 1:  # a number times the sum, a branch: x stays as it is
+        if not self.scaled and self.branches == 1 and not shards:  # a number times the sum, a branch: x as it is
             m.finalize = match_finalize(x, hidden)
         cur = chain[-1]
         if self.scaled:
@@ -323,6 +331,12 @@ class FusionPattern:
                                                     f"quantisation in {meta_val(out).dtype}, not the input's dtype")
             nodes = nodes + ([out] if m.normed is None else []) + quant_nodes
             out = q_out
+        if shards:  # the normed rows all-gathered: the op gives them gathered
+            gather = gathered(out, group_name, shards, hidden)
+            if gather is None:
+                return None
+            nodes = nodes + [out] + gather[1]
+            out = gather[0]
         m.out = out
         # A norm's fp32 result that fp8 reads directly (matchers._cast_back) is both its out and a node.
         m.internal = list(dict.fromkeys([all_reduce] + m.merged + m.internal + nodes))
@@ -344,7 +358,7 @@ class FusionPattern:
             return reason
         if fusion_limit <= 0:
             return no_communicator(m.group_name, m.hidden, x.dtype)
-        if element_count(x.shape) != element_count(meta_val(m.h).shape):
+        if element_count(x.shape) != max(m.shards, 1) * element_count(meta_val(m.h).shape):
             return Reason("operands", f"the all-reduced {tuple(x.shape)} is broadcast by the add to "
                                       f"{tuple(meta_val(m.h).shape)}")
         if m.x_other is not None and (meta_val(m.x_other).dtype != x.dtype or element_count(meta_val(m.x_other).shape)
@@ -378,6 +392,8 @@ class FusionPattern:
             if any(static_int(s) is None and _size_source(m.all_reduce.graph, s, m) is None
                    for s in meta_val(node).shape):
                 return Reason("sizes", f"no input of the graph carries the sizes of {tuple(meta_val(node).shape)}")
+        if m.shards:  # the op takes any size, in sharded parts of the workspace's rows
+            return None
         return token_limit_problem(m.tokens, token_bound, fusion_limit, "compile with tpfuse.compile")
 
     def replace(self, graph: Graph, m: Match) -> None:
@@ -426,7 +442,8 @@ class FusionPattern:
                     m.normed.replace_all_uses_with(call(aten.reshape.default, normed,
                                                         shape_args(meta_val(m.normed).shape)))
             else:
-                op = torch.ops.tpfuse.allreduce_add_rmsnorm.default
+                op = (torch.ops.tpfuse.reduce_scatter_add_rmsnorm_all_gather.default if m.shards
+                      else torch.ops.tpfuse.allreduce_add_rmsnorm.default)
                 fused = call(op, x2, r2, m.weight, m.eps, m.group_name, quant_scale=m.quant_scale, **steps)
                 y2, h2 = call(operator.getitem, fused, 0), call(operator.getitem, fused, 1)
             if m.scales is not None and m.fp4:  # the op's scales, as the bytes of the dtype the graph had
@@ -690,6 +707,11 @@ def unmatched_reason(all_reduce: Node) -> Reason:
                                      "(a graph break between them? torch._dynamo.explain(model)(...) lists the "
                                      "breaks)")
     users = [u.target for u in end.users]
+    if all_reduce.target == REDUCE_SCATTER:
+        return Reason("no-pattern", "no norm whose rows are all-gathered follows the reduce-scatter (sequence "
+                                    "parallel's block end: reduce-scatter -> a residual add -> RMSNorm or "
+                                    "LayerNorm -> all-gather, unquantised); its result goes to "
+                                    f"{', '.join(str(getattr(t, '__name__', t)) for t in users) or 'nothing'}")
     return Reason("no-pattern", "no norm follows the all-reduce as a pattern has it (RMSNorm or LayerNorm, after "
                                 "a residual add, a bias or a post-norm: tpfuse.compiler.PATTERNS); its result goes "
                                 f"to {', '.join(str(getattr(t, '__name__', t)) for t in users) or 'nothing'} (if "
