@@ -421,6 +421,44 @@ def test_parallelize_module_dtensor(rank_pool):
     _assert_fused(rank_pool(2).run(_parallelized_model, timeout=900), sites=5)
 
 
+def _sequence_parallel_model(rank, world_size):
+    """TitanModel with torchtitan's sequence-parallel plan, eager and compiled, at even sequence lengths
+    below and above the fusion limit (a sharded site takes any size: in parts of the workspace's rows)."""
+    tpfuse.get_communicator(max_tokens=LIMIT, hidden=HIDDEN)
+    model = _titan_tp(world_size, sequence_parallel=True)
+    compiled = tpfuse.compile(model)
+    runs = []
+    for batch, seq in [(2, 4), (2, 8), (4, 24)]:
+        ids = _token_ids(batch, seq)
+        with torch.no_grad():
+            expected, got = (m(ids) for m in (model, compiled))
+            tpfuse.reset_stats()
+            compiled(ids)
+            calls = fused_calls(backends=("triton",))
+        expected, got = (t.full_tensor() if hasattr(t, "placements") else t for t in (expected, got))
+        difference = (got.float() - expected.float()).abs().max() / expected.float().abs().max()
+        runs.append(((batch, seq), difference.item(), calls))
+    reports = [[str(s) for s in graph] for graph in compiled.tpfuse_backend.reports]
+    return runs, dict(compiled.tpfuse_backend.compiles), reports
+
+
+def test_parallelize_module_sequence_parallel(rank_pool):
+    """torchtitan's default layout written with torch's ParallelStyles (SequenceParallel norms, wo / w2
+    RowwiseParallel to Shard(1), the next layer's input gathered): every block end is a reduce-scatter ->
+    add -> RMSNorm -> all-gather, which used to run on the group's collectives. Now each fuses into one
+    sharded call (the embedding's reduce-scatter straight into the first norm, two per layer): one graph
+    for every size, 48 tokens (three times the workspace's rows) included."""
+    for runs, compiles, reports in rank_pool(2).run(_sequence_parallel_model, timeout=900):
+        assert compiles == {"fused": 1}, compiles
+        [graph] = reports
+        assert len(graph) == 5 and all(line.startswith("reduce-scatter") for line in graph), graph
+        assert [line.split("fused (")[1] for line in graph] == (
+            ["ReduceScatterRMSNormAllGather)"] + ["ReduceScatterAddRMSNormAllGather)"] * 4), graph
+        for shape, difference, calls in runs:
+            assert difference < 2e-2, (shape, difference)
+            assert calls >= 5, (shape, calls)
+
+
 def _hf_llama(path):
     from transformers import AutoModelForCausalLM
 
@@ -435,6 +473,7 @@ def _trained(rank, world_size, client, path=None, steps=3):
     first gradient, compiled against eager (relative difference); and the compiled run's site reports."""
     tpfuse.get_communicator(max_tokens=LIMIT, hidden=HIDDEN)
     build, batch = {"dtensor": (lambda: _titan_tp(world_size), 2),
+                    "dtensor_sp": (lambda: _titan_tp(world_size, sequence_parallel=True), 2),
                     "hooks": (lambda: _gpt_fast_tp(rank, world_size), 1),
                     "hf": (lambda: _hf_llama(path), 2)}[client]
     eager, model = build(), build()
@@ -443,7 +482,8 @@ def _trained(rank, world_size, client, path=None, steps=3):
     for name, run, trained in (("eager", eager, eager), ("compiled", compiled, model)):
         optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
         for step in range(steps):
-            ids = _token_ids(batch, 3 + 4 * (step % 2))  # two shapes below the limit: one graph
+            # two shapes below the limit: one graph (even lengths where the rows are sharded over 2 ranks)
+            ids = _token_ids(batch, 3 + 4 * (step % 2) + (client == "dtensor_sp"))
             logits = getattr(run(ids), "logits", None) if client == "hf" else run(ids)
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
             optimizer.zero_grad()
@@ -463,7 +503,8 @@ def _trained(rank, world_size, client, path=None, steps=3):
 
 
 # Per client: (fused forward sites of all, fused backward all-reduces of all).
-TRAINING_SITES = {"dtensor": ((4, 5), (10, 11)), "hooks": ((3, 4), (0, 4)), "hf": ((3, 4), (10, 11))}
+TRAINING_SITES = {"dtensor": ((4, 5), (10, 11)), "dtensor_sp": ((4, 5), (0, 5)), "hooks": ((3, 4), (0, 4)),
+                  "hf": ((3, 4), (10, 11))}
 
 
 @pytest.mark.parametrize("client", list(TRAINING_SITES))

@@ -475,3 +475,36 @@ def test_a_gated_second_all_reduce_goes_into_the_op(own_gate):
     shared_part = op.kwargs["shared_expert"]
     assert aten.mul.Tensor in {n.target for n in _ancestors([shared_part]) | {shared_part}}
     assert leftovers(graph) == ["sigmoid = aten.sigmoid.default"]  # the gate's own computation, before the op
+
+
+class SequenceParallelSite(nn.Module):
+    """Sequence parallel's block end as functional collectives write it: the rows reduce-scattered, this
+    rank's residual rows added, RMSNorm, the normed rows all-gathered (or not: ``gathered``)."""
+
+    def __init__(self, gathered: bool = True):
+        super().__init__()
+        self.norm = nn.RMSNorm(HIDDEN, eps=1e-5)
+        self.gathered = gathered
+
+    def forward(self, x, residual):
+        h = funcol.reduce_scatter_tensor(x, "sum", 0, dist.group.WORLD) + residual
+        y = self.norm(h)
+        return (funcol.all_gather_tensor(y, 0, dist.group.WORLD) if self.gathered else y * 2), h
+
+
+@pytest.mark.parametrize("gathered", [True, False])
+def test_a_reduce_scatter_into_a_gathered_norm_fuses_into_the_sharded_op(gathered):
+    """At any token count (the sharded op runs in parts over the workspace): no bound is needed."""
+    module = SequenceParallelSite(gathered).bfloat16()
+    fusion_pass = FusionPass(fusion_limit=4)
+    x, residual = torch.randn(2 * TOKENS, HIDDEN).bfloat16(), torch.randn(TOKENS, HIDDEN).bfloat16()
+    graph = post_grad_pass(module, x, residual, fusion_pass=fusion_pass)
+    [[site]] = fusion_pass.reports
+    ops = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert site.collective == "reduce-scatter" and str(site).startswith("reduce-scatter [")
+    if gathered:
+        assert site.fused and site.pattern == "ReduceScatterAddRMSNormAllGather", str(site)
+        assert torch.ops.tpfuse.reduce_scatter_add_rmsnorm_all_gather.default in ops
+        assert not [t for t in ops if "_c10d_functional" in str(t)], ops
+    else:
+        assert not site.fused and site.code == "no-pattern" and "all-gathered" in site.reason, str(site)

@@ -50,16 +50,17 @@ def _titan_llama(world_size, sequence_parallel=False, spmd_backend="partial_dten
     return model.to(torch.bfloat16)
 
 
-def _trained(rank, world_size, steps=3):
+def _trained(rank, world_size, sequence_parallel=False, steps=3):
     tpfuse.get_communicator(max_tokens=LIMIT, hidden=HIDDEN)
-    eager, model = _titan_llama(world_size), _titan_llama(world_size)
+    eager, model = (_titan_llama(world_size, sequence_parallel) for _ in range(2))
     compiled = tpfuse.compile(model)
     losses, first_grads = {"eager": [], "compiled": []}, {}
     for name, run, trained in (("eager", eager, eager), ("compiled", compiled, model)):
         optimizer = torch.optim.SGD(trained.parameters(), lr=0.5)
         for step in range(steps):
             seeded = torch.Generator().manual_seed(step)
-            ids = torch.randint(0, 256, (2, 3 + 4 * (step % 2)), generator=seeded)
+            # sequence parallel shards the sequence over the ranks: even lengths there
+            ids = torch.randint(0, 256, (2, 3 + 4 * (step % 2) + sequence_parallel), generator=seeded)
             logits = run(ids)
             logits = logits.full_tensor() if hasattr(logits, "placements") else logits  # a DTensor
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
@@ -87,3 +88,34 @@ def test_torchtitans_llama_trains_compiled_with_its_forward_fused(rank_pool):
         assert grad_difference < 5e-2, grad_difference
         forward = reports[0]
         assert sum(": fused (" in line for line in forward) == 4 and len(forward) == 5, reports
+
+
+def _inference(rank, world_size):
+    tpfuse.get_communicator(max_tokens=LIMIT, hidden=HIDDEN)
+    model = _titan_llama(world_size, sequence_parallel=True)
+    compiled = tpfuse.compile(model)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = model(ids), compiled(ids)
+    expected, got = (t.full_tensor() if hasattr(t, "placements") else t for t in (expected, got))
+    difference = ((got.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+    return difference, [[str(s) for s in graph] for graph in compiled.tpfuse_backend.reports]
+
+
+def test_torchtitans_llama_with_sequence_parallel_fuses_every_block_end(rank_pool):
+    """torchtitan's own plan with sequence parallel on (its default): the embedding's reduce-scatter into the
+    first norm and the four block ends are reduce-scatter -> add -> RMSNorm -> all-gather (DTensor's
+    chunk/cat around a dim-0 reduce-scatter). Every one fuses in inference; in training, all but the one
+    whose pre-add sum the backward keeps, and the losses and gradients are the eager run's. Its backward's
+    reduce-scatters (the norms' backward between a reduce-scatter and an all-gather) stay unfused."""
+    for difference, reports in rank_pool(2).run(_inference, timeout=900):
+        assert difference < 2e-2, difference
+        [graph] = reports
+        assert len(graph) == 5 and all("fused (ReduceScatter" in line for line in graph), graph
+    for losses, grad_difference, reports in rank_pool(2).run(_trained, True, timeout=900):
+        for eager, compiled in zip(losses["eager"], losses["compiled"], strict=True):
+            assert abs(eager - compiled) < 2e-2 * abs(eager), losses
+        assert grad_difference < 5e-2, grad_difference
+        forward, backward = reports
+        assert sum(": fused (ReduceScatter" in line for line in forward) == 4 and len(forward) == 5, reports
+        assert len(backward) == 5 and not any(": fused (" in line for line in backward), reports

@@ -21,6 +21,8 @@ SCHEMAS = {
                               "-> Tensor"),
     ("vllm_ir", "fused_add_rms_norm"): ("fused_add_rms_norm(Tensor x, Tensor x_residual, Tensor? weight, "
                                         "float epsilon, SymInt? variance_size=None) -> (Tensor, Tensor)"),
+    ("vllm", "reduce_scatter"): ("reduce_scatter(Tensor tensor, int dim, int world_size, str group_name) "
+                                 "-> Tensor"),
 }
 _libraries = []
 
@@ -41,6 +43,8 @@ def _vllm_ops():
         _libraries.append(library)
         if name == "fused_add_rms_norm":
             impl = lambda x, r, w, eps, variance_size=None: (torch.empty_like(x), torch.empty_like(x))  # noqa: E731
+        elif name == "reduce_scatter":
+            impl = lambda x, dim, world_size, group: x.new_empty((x.shape[0] // world_size, x.shape[1]))  # noqa: E731
         else:
             impl = lambda x, *args, **kwargs: torch.empty_like(x)  # noqa: E731
         library.impl(name, impl, "CompositeExplicitAutograd")
@@ -180,6 +184,23 @@ def test_an_all_reduce_without_a_norm_after_it_says_where_it_goes():
     assert site.plain
     (plain,) = [n for n in graph.nodes if n.target is torch.ops.tpfuse.all_reduce.default]
     assert plain.args[1] == "7" and not [t for t in targets(graph) if str(t).startswith("vllm::")]
+
+
+def test_vllms_sequence_parallel_reduce_scatter_is_reported_with_its_reason():
+    _, add_norm, _ = _vllm_ops()
+    reduce_scatter = torch.ops.vllm.reduce_scatter
+
+    def forward(x, residual, weight):
+        return add_norm(reduce_scatter(x, 0, 2, "tp:0"), residual, weight, EPS)
+
+    bf16 = torch.bfloat16
+    graph = vllm_graph(forward, torch.randn(8, HIDDEN, dtype=bf16), torch.randn(4, HIDDEN, dtype=bf16),
+                       torch.randn(HIDDEN, dtype=bf16))
+    fusion = FusionPass(max_tokens=32, fusion_limit=64, vllm_groups={"tp:0": "7"})
+    fusion(graph)
+    (site,) = fusion.reports[-1]
+    assert not site.fused and site.code == "vllm-form" and site.collective == "reduce-scatter"
+    assert str(site).startswith("reduce-scatter [") and "sequence-parallelism pass" in site.reason
 
 
 def test_a_sum_read_besides_the_residual_add_is_not_fused():

@@ -245,6 +245,9 @@ class FusionPass(CustomGraphPass):
         # A site that a later one took in as its second branch is reported with that one only.
         entries = [(report, node) for report, node in entries if node not in merged]
         entries += [self._fuse_vllm_site(node) for node in vllm_sites.all_reduces(graph)]
+        entries += [(SiteReport(**vllm_sites.describe(node), fused=False,
+                                reason=vllm_sites.SEQUENCE_PARALLEL), None)
+                    for node in vllm_sites.reduce_scatters(graph)]
         sites = [report if node is None else self._on_plain_all_reduce(graph, report, node)
                  for report, node in entries]
         if any(s.fused or s.plain for s in sites):
@@ -272,9 +275,10 @@ class FusionPass(CustomGraphPass):
         return None
 
     def _fuse_vllm_site(self, node: torch.fx.Node) -> tuple[SiteReport, torch.fx.Node | None]:
-        shape, dtype, group_name = vllm_sites.describe(node)
+        site = vllm_sites.describe(node)
+        group_name = site["group_name"]
         if group_name not in self.vllm_groups:
-            return SiteReport(shape, dtype, group_name, False, reason=Reason(
+            return SiteReport(**site, fused=False, reason=Reason(
                 "no-communicator", f"vLLM group {group_name!r} has no process group known to the pass "
                                    "(tpfuse.engines.vllm resolves vLLM's groups in its workers)")), None
         match, reason = vllm_sites.find_site(node, self.vllm_groups[group_name])
@@ -282,9 +286,9 @@ class FusionPass(CustomGraphPass):
         if pattern is not None:
             reason = pattern.extra_check(match, self._token_bound, self._site_limit(match))
         if reason is not None:
-            return SiteReport(shape, dtype, group_name, False, pattern and pattern.name, reason), node
+            return SiteReport(**site, fused=False, pattern=pattern and pattern.name, reason=reason), node
         pattern.replace(node.graph, match)
-        return SiteReport(shape, dtype, group_name, True, pattern.name), None
+        return SiteReport(**site, fused=True, pattern=pattern.name), None
 
     def _on_plain_all_reduce(self, graph: torch.fx.Graph, report: SiteReport,
                              node: torch.fx.Node) -> SiteReport:

@@ -103,16 +103,34 @@ def all_reduces(graph: Graph) -> list[Node]:
     return [n for n in graph.nodes if op_name(n) == ALL_REDUCE]
 
 
+#: vLLM's sequence-parallelism pass makes an all-reduce -> norm a reduce-scatter -> norm -> all-gather of
+#: its own ops (``vllm.reduce_scatter(x, dim, W, group)``): reported, not fused yet
+#: (docs/sequence-parallel.md).
+REDUCE_SCATTER = "vllm::reduce_scatter"
+SEQUENCE_PARALLEL = Reason(
+    "vllm-form", "vLLM's sequence-parallelism pass made this block end a reduce-scatter of vLLM's "
+                 "own; tpfuse fuses sequence parallel's block end on torch's collectives, not vLLM's yet "
+                 "(leave the pass off to fuse the all-reduce)")
+
+
+def reduce_scatters(graph: Graph) -> list[Node]:
+    """The graph's ``vllm.reduce_scatter`` nodes (vLLM's sequence-parallelism pass), in order."""
+    return [n for n in graph.nodes if op_name(n) == REDUCE_SCATTER]
+
+
 def group_names(graph: Graph) -> set[str]:
     """vLLM's names of the groups the graph's all-reduces run on (``"tp:0"``)."""
     return {str(n.args[1]) for n in all_reduces(graph)}
 
 
-def describe(all_reduce: Node) -> tuple[tuple, torch.dtype | None, str]:
-    """(shape, dtype, vLLM's group name) of an all-reduce site, for its report."""
-    val = meta_val(all_reduce)
+def describe(site: Node) -> dict:
+    """A vLLM site's SiteReport fields: shape, dtype, vLLM's group name, which collective."""
+    val = meta_val(site)
     shape = describe_shape(val.shape) if isinstance(val, torch.Tensor) else ()
-    return shape, getattr(val, "dtype", None), str(all_reduce.args[1])
+    scattered = op_name(site) == REDUCE_SCATTER
+    return dict(shape=shape, dtype=getattr(val, "dtype", None),
+                group_name=str(site.args[3 if scattered else 1]),
+                collective="reduce-scatter" if scattered else "all-reduce")
 
 
 def _arg(node: Node, index: int, name: str, default=None):
