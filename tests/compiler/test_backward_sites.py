@@ -74,3 +74,42 @@ def test_a_region_that_is_not_rmsnorms_backward_stays_unfused():
         for hidden in (HIDDEN, 4096):
             graph = _graph(form, hidden)
             assert not [n for n in graph.nodes if n.op == "call_function" and n.target == OP], (form, hidden)
+
+
+class ShardedNormBackward(nn.Module):
+    """Sequence parallel's backward block end: the parts summed on the rank, reduce-scattered, RMSNorm's
+    backward at this rank's rows ``a`` + g_h; the result read by the residual stream and all-gathered."""
+
+    def __init__(self, hidden: int, gathered: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(hidden).bfloat16())
+        self.gathered = gathered
+
+    def forward(self, p1, p2, a, g_h):
+        group = dist.group.WORLD
+        g = funcol.reduce_scatter_tensor(p1 + p2, "sum", 0, group)
+        af, gw = a.float(), g.float() * self.weight.float()
+        r = torch.rsqrt(af.pow(2).mean(-1, keepdim=True) + EPS)
+        out = g_h + (r * (gw - af * (gw * af).mean(-1, keepdim=True) * r * r)).to(a.dtype)
+        gathered = funcol.all_gather_tensor(out, 0, group) if self.gathered else out * 2
+        return gathered, out * 3, (g.float() * af * r).sum((0, 1))
+
+
+def test_sequence_parallels_backward_fuses_into_the_sharded_op():
+    """At 12 rows of every rank's partial gradient (6 of this rank's): over the fusion limit of 4, which a
+    sharded site does not need. Without the all-gather after it, the region stays unfused."""
+    sharded = torch.ops.tpfuse.reduce_scatter_rmsnorm_backward_all_gather.default
+    for gathered in (True, False):
+        torch.manual_seed(0)
+        rows = [torch.randn(2 * TOKENS, HIDDEN).bfloat16() for _ in range(2)]
+        rows += [torch.randn(TOKENS, HIDDEN).bfloat16() for _ in range(2)]
+        fusion_pass = FusionPass(fusion_limit=4)
+        graph = post_grad_pass(ShardedNormBackward(HIDDEN, gathered), *rows, fusion_pass=fusion_pass)
+        ops = [n.target for n in graph.nodes if n.op == "call_function"]
+        [[site]] = fusion_pass.reports
+        assert site.collective == "reduce-scatter"
+        if gathered:
+            assert site.fused and site.pattern == "ReduceScatterRMSNormBackwardAllGather", str(site)
+            assert sharded in ops and not [t for t in ops if "_c10d_functional" in str(t)], ops
+        else:
+            assert not site.fused and sharded not in ops, str(site)

@@ -131,7 +131,7 @@ def _backward(rank, world_size, rows, bias):
     own = {k: _own(inp[k], rank, world_size) for k in ("residual", "g_h")}
     # the fused backward alone, beside the all-reduce backward of the same rows
     a = inp["residual"]
-    grad_in, g_sum = tpfuse.reduce_scatter_rmsnorm_backward_all_gather(
+    grad_in, own_grad_in, g_sum = tpfuse.reduce_scatter_rmsnorm_backward_all_gather(
         inp["g_ys"][rank], _own(a, rank, world_size), inp["weight"], EPS, own["g_h"])
     grad_in_ar, g_sum_ar = tpfuse.allreduce_rmsnorm_backward(inp["g_ys"][rank], a, inp["weight"], EPS,
                                                              inp["g_h"])
@@ -142,6 +142,7 @@ def _backward(rank, world_size, rows, bias):
     b = None if inp["bias"] is None else inp["bias"].clone().requires_grad_()
     y, h = tpfuse.reduce_scatter_add_rmsnorm_all_gather(x, residual, weight, EPS, bias=b)
     torch.autograd.backward((y, h), (inp["g_ys"][rank], own["g_h"]))
+    assert torch.equal(own_grad_in, _own(grad_in, rank, world_size))
     return dict(grad_in=grad_in, g_sum=g_sum, grad_in_ar=grad_in_ar, g_sum_ar=g_sum_ar, x=x.grad,
                 residual=residual.grad, weight=weight.grad, bias=None if b is None else b.grad)
 

@@ -13,6 +13,17 @@ After::
                                            norm_input=a, grad_h=g_h)   # blockend.stages.RmsNormBackward
     out -> y2; g -> g2        (what else reads g, the weight's gradient, reads the op's sum)
 
+Sequence parallel's backward (the column-parallel layers' input gradients summed on each rank, then
+reduce-scattered; the result all-gathered for the row-parallel layer before)::
+
+    g   = wait(reduce_scatter(p))                                 # this rank's rows
+    out = g_h + RMSNorm's backward at a of g                      # out: read by the residual stream
+    gx  = wait(all_gather(out))                                   # and gathered
+
+After::
+
+    gx2, out2, g2 = tpfuse::reduce_scatter_rmsnorm_backward_all_gather(p, a, weight, eps, group, g_h)
+
 The norm's backward is recognised by what it computes, not by the form of its nodes (each RMSNorm and each
 torch version decomposes it its own way): the region between ``g`` and the add reads only ``g``, one
 tensor of g's shape and dtype (``a``) and one row of H (the weight), and evaluated on random rows it gives
@@ -30,9 +41,12 @@ from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
 from tpfuse.compiler.matchers import (
+    ALL_GATHER,
     ALL_REDUCE,
+    REDUCE_SCATTER,
     WAIT,
     aten,
+    collective_args,
     is_add,
     is_call,
     meta_val,
@@ -44,8 +58,9 @@ from tpfuse.compiler.patterns import graph_caller, site_problem, token_limit_pro
 from tpfuse.compiler.reasons import Reason
 from tpfuse.compiler.sizes import static_int, token_count
 
-#: The name sites fused here report.
+#: The names sites fused here report: all-reduce and sequence parallel's.
 PATTERN = "AllReduceRMSNormBackward"
+SHARDED_PATTERN = "ReduceScatterRMSNormBackwardAllGather"
 #: The most nodes a norm's backward may span (a bound on the walk, far above any decomposition's).
 _MAX_NODES = 200
 
@@ -65,6 +80,12 @@ class BackwardMatch:
     weight: Node
     eps: float
     inside: set  # the norm's backward between g and the add
+    gathered: Node | None = None  # sequence parallel's: the wait of out's all-gather
+    shards: int = 0  # sequence parallel's: the ranks the rows are sharded over
+
+    @property
+    def pattern(self) -> str:
+        return SHARDED_PATTERN if self.shards else PATTERN
 
     @property
     def hidden(self) -> int:
@@ -90,10 +111,12 @@ def _summed_waits(node: object, group_name: str) -> tuple[list[Node], list[Node]
 
 def _total(all_reduce: Node) -> tuple[Node, list[Node], list[Node]] | None:
     """(g, the all-reduces it sums, the adds that sum them): from ``all_reduce``'s wait up through the adds
-    of other all-reduces of the same group."""
+    of other all-reduces of the same group (a reduce-scatter's wait alone: its parts are summed before)."""
     wait = only_user(all_reduce)
     if not is_call(wait, WAIT):
         return None
+    if all_reduce.target == REDUCE_SCATTER:
+        return wait, [all_reduce], []
     group_name, total, members, adds = all_reduce.args[2], wait, [all_reduce], []
     while True:
         add = only_user(total)
@@ -138,6 +161,8 @@ def _region(end: Node, total: Node, after_total: set, hidden: int):
                                         or (val.dim() == 1 and static_int(val.shape[0]) == hidden)):
             leaves.add(node)  # the norm's input, the weight, or a size
             continue
+        if "_c10d_functional" in str(node.target):  # a collective is no part of a norm's backward
+            return None  # (and the recognition, which runs the region, must never run one)
         inside.add(node)
         if len(inside) > _MAX_NODES:
             return None
@@ -213,8 +238,10 @@ def _eps_of(inside: set, end: Node, total: Node, norm_input: Node, weight: Node)
 
 
 def find_site(all_reduce: Node) -> BackwardMatch | None:
-    """The backward block end starting at ``all_reduce`` (as the first of its summed parts), or None. A site
-    none is found for is reported as the forward's patterns say (``patterns.unmatched_reason``)."""
+    """The backward block end starting at ``all_reduce`` (as the first of its summed parts; or at a
+    reduce-scatter whose result is all-gathered after the add: sequence parallel's), or None. A site none
+    is found for is reported as the forward's patterns say (``patterns.unmatched_reason``)."""
+    _, reduce_op, group_name, shards = collective_args(all_reduce)
     found = _total(all_reduce)
     if found is None:
         return None
@@ -246,20 +273,29 @@ def find_site(all_reduce: Node) -> BackwardMatch | None:
         eps = _eps_of(inside, end, total, norm_input, weight)
         if eps is None:
             continue
-        return BackwardMatch(members, summing, [m.args[0] for m in members], all_reduce.args[2], total, out,
-                             grad_h, norm_input, weight, eps, inside)
+        gather = None
+        if shards:  # out's rows all-gathered (its other readers take this rank's rows)
+            gathers = [only_user(u) for u in out.users if is_call(u, ALL_GATHER)
+                       and (u.args[1], str(u.args[2])) == (shards, str(group_name))]
+            if len(gathers) != 1 or not is_call(gathers[0], WAIT):
+                continue
+            gather = gathers[0]
+        return BackwardMatch(members, summing, [m.args[0] for m in members], group_name, total, out,
+                             grad_h, norm_input, weight, eps, inside, gather, shards)
     return None
 
 
 def problem(match: BackwardMatch, token_bound, fusion_limit: int) -> Reason | None:
     """Why ``match`` must stay unfused (None: it may fuse)."""
-    reason = site_problem(match.all_reduces[0].args[1], match.hidden, meta_val(match.total).dtype)
+    reason = site_problem(collective_args(match.all_reduces[0])[1], match.hidden, meta_val(match.total).dtype)
     if reason is not None:
         return reason
     if meta_val(match.weight).dtype not in (meta_val(match.total).dtype, torch.float32):
         return Reason("operands", f"the norm's weight is {meta_val(match.weight).dtype}")
     if fusion_limit <= 0:
         return Reason("no-communicator", "its group has no tpfuse communicator that can fuse it")
+    if match.shards:  # the sharded op takes any size, in parts
+        return None
     return token_limit_problem(match.tokens, token_bound, fusion_limit, "compile with tpfuse.compile")
 
 
@@ -275,16 +311,28 @@ def replace(graph: Graph, m: BackwardMatch) -> None:
                 x = call(aten.add.Tensor, x, call(prims.convert_element_type.default, part, torch.float32))
             x = call(prims.convert_element_type.default, x, val.dtype)
         flat = [call(aten.reshape.default, n, [-1, m.hidden]) for n in (x, m.norm_input, m.grad_h)]
-        fused = call(torch.ops.tpfuse.allreduce_add_rmsnorm.default, flat[0], None, m.weight, m.eps,
-                     m.group_name, norm_input=flat[1], grad_h=flat[2])
         sizes = [static_int(s) if static_int(s) is not None else call(aten.sym_size.int, m.norm_input, d)
                  for d, s in enumerate(val.shape)]
-        grad_input, total = (call(aten.reshape.default, call(operator.getitem, fused, i), sizes)
-                             for i in (0, 1))
+        if m.shards:
+            op = torch.ops.tpfuse.reduce_scatter_rmsnorm_backward_all_gather.default
+            fused = call(op, flat[0], flat[1], m.weight, m.eps, m.group_name, flat[2])
+            gathered_sizes = [static_int(s) if static_int(s) is not None else call(aten.sym_size.int, x, d)
+                              for d, s in enumerate(meta_val(m.gathered).shape)]
+            m.gathered.replace_all_uses_with(call(aten.reshape.default, call(operator.getitem, fused, 0),
+                                                  gathered_sizes))
+            grad_input, total = (call(aten.reshape.default, call(operator.getitem, fused, i), sizes)
+                                 for i in (1, 2))
+        else:
+            fused = call(torch.ops.tpfuse.allreduce_add_rmsnorm.default, flat[0], None, m.weight, m.eps,
+                         m.group_name, norm_input=flat[1], grad_h=flat[2])
+            grad_input, total = (call(aten.reshape.default, call(operator.getitem, fused, i), sizes)
+                                 for i in (0, 1))
     m.out.replace_all_uses_with(grad_input)
     m.total.replace_all_uses_with(total)
     order = {node: i for i, node in enumerate(graph.nodes)}
     gone = {m.out, *m.inside, *m.adds} | {n for r in m.all_reduces for n in (r, only_user(r))}
+    if m.gathered is not None:
+        gone |= {m.gathered, m.gathered.args[0]}
     for node in sorted(gone, key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)

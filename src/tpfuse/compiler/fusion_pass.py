@@ -234,8 +234,7 @@ class FusionPass(CustomGraphPass):
                     break
                 refused = refused or (pattern.name, reason)
             else:
-                if refused is None and node.target == ALL_REDUCE and (
-                        backward := backward_sites.find_site(node)) is not None:
+                if refused is None and (backward := backward_sites.find_site(node)) is not None:
                     refused = self._fuse_backward_site(graph, backward, entries, merged)
                     if refused is None:
                         continue
@@ -265,10 +264,10 @@ class FusionPass(CustomGraphPass):
         limit = self._fusion_limit(match.group_name, match.hidden, meta_val(match.total).dtype)
         reason = backward_sites.problem(match, self._token_bound, limit)
         if reason is not None:
-            return backward_sites.PATTERN, reason
+            return match.pattern, reason
         if str(match.tokens) in self.token_bounds:
             _bounds_relied_on[self._tag].add(str(match.tokens))
-        entries += [(SiteReport(**_describe(n), fused=True, pattern=backward_sites.PATTERN), None)
+        entries += [(SiteReport(**_describe(n), fused=True, pattern=match.pattern), None)
                     for n in match.all_reduces]
         merged.update(match.all_reduces[1:])
         backward_sites.replace(graph, match)

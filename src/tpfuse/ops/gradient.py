@@ -174,14 +174,12 @@ class _ShardedBlockEnd(torch.autograd.Function):
         g_h = torch.zeros_like(h) if g_h is None else g_h.to(h.dtype).contiguous()
         # g_y is this rank's part of the gathered y's gradient: reduce-scattered, the norm's backward
         # (+ g_h) on our rows and the result all-gathered, in one fused call
-        g_rows, g_y_sum = torch.ops.tpfuse.reduce_scatter_add_rmsnorm_all_gather(
-            g_y, None, weight, ctx.eps, ctx.group_name, norm_input=h, grad_h=g_h)
-        rank = dist.get_rank(group_by_name(ctx.group_name))
+        g_rows, own, g_y_sum = torch.ops.tpfuse.reduce_scatter_rmsnorm_backward_all_gather(
+            g_y, h, weight, ctx.eps, ctx.group_name, g_h)
         x_dtype, residual_dtype, weight_dtype, bias_dtype = ctx.dtypes
         # Each rank's rows give their part of the weight's gradient: summed over the ranks in rank order,
         # the same on every rank (a replicated parameter's). The bias's comes from every row, gathered.
         g_weight = _summed_over_ranks(rmsnorm_weight_grad(h, g_y_sum, ctx.eps), ctx.group_name)
-        own = g_rows[rank * rows:(rank + 1) * rows]
         g_residual = None if residual_dtype is None else own.to(residual_dtype)
         g_bias = None if bias_dtype is None else g_rows.float().sum(0).to(bias_dtype)
         return None, None, g_rows.to(x_dtype), g_residual, g_weight.to(weight_dtype), g_bias

@@ -23,6 +23,8 @@ from tpfuse.ops.gradient import refusing_gradient, requires_grad, sharded_block_
 from tpfuse.ops.route import group_by_name, group_name_of, route_of
 
 _lib.define(f"reduce_scatter_add_rmsnorm_all_gather({_CALL}, *, {schema()}) -> (Tensor, Tensor)")
+_lib.define("reduce_scatter_rmsnorm_backward_all_gather(Tensor grad_y, Tensor norm_input, Tensor weight, "
+            "float eps, str group_name, Tensor grad_h) -> (Tensor, Tensor, Tensor)")
 
 
 def check_sharded_inputs(x, residual, weight, eps: float, epilogue: Epilogue, world_size: int) -> int:
@@ -57,8 +59,20 @@ def _sharded_fake(x, residual, weight, eps, group_name, **step_args):
     return _empty_y(x, Epilogue.of(step_args)), x.new_empty((own_rows, x.shape[1]))
 
 
-_lib.impl("reduce_scatter_add_rmsnorm_all_gather", _sharded, "CompositeExplicitAutograd")
-torch.library.register_fake("tpfuse::reduce_scatter_add_rmsnorm_all_gather", _sharded_fake, lib=_lib)
+def _backward(grad_y, norm_input, weight, eps, group_name, grad_h):
+    grad_input, g = _sharded(grad_y, None, weight, eps, group_name, norm_input=norm_input, grad_h=grad_h)
+    rank, rows = dist.get_rank(group_by_name(group_name)), norm_input.shape[0]
+    return grad_input, grad_input[rank * rows:(rank + 1) * rows].clone(), g
+
+
+def _backward_fake(grad_y, norm_input, weight, eps, group_name, grad_h):
+    return torch.empty_like(grad_y), torch.empty_like(norm_input), torch.empty_like(norm_input)
+
+
+for _name, _impl, _fake in (("reduce_scatter_add_rmsnorm_all_gather", _sharded, _sharded_fake),
+                            ("reduce_scatter_rmsnorm_backward_all_gather", _backward, _backward_fake)):
+    _lib.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"tpfuse::{_name}", _fake, lib=_lib)
 
 
 def _run(x, residual, weight, eps, group_name: str, epilogue: Epilogue):
@@ -139,7 +153,7 @@ def reduce_scatter_rmsnorm_backward_all_gather(
     grad_h: torch.Tensor,
     *,
     group: dist.ProcessGroup | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of :func:`reduce_scatter_add_rmsnorm_all_gather` in one fused call: reduce-scatter
     ``grad_y``, RMSNorm's backward on this rank's rows plus ``grad_h``, all-gather of the result.
 
@@ -162,12 +176,16 @@ def reduce_scatter_rmsnorm_backward_all_gather(
 
     Returns
     -------
-    (grad_input, grad_y_sum) : tuple of Tensor
+    (grad_input, own_grad_input, grad_y_sum) : tuple of Tensor
         ``grad_input`` [T, H]: the gradient of every rank's ``norm_input`` rows (grad_h included), which
         is the gradient of the reduce-scattered sum, gathered: what each rank's partial x receives;
+        ``own_grad_input`` [T / W, H]: this rank's rows of it (the residual stream's gradient);
         ``grad_y_sum`` [T / W, H]: ``g``, for the weight's gradient.
     """
-    epilogue = Epilogue(norm_input=norm_input, grad_h=grad_h)
     group_name = group_name_of(group)
-    check_sharded_inputs(grad_y, None, weight, eps, epilogue, route_of(group_name).world_size)
-    return _run(grad_y, None, weight, eps, group_name, epilogue)
+    check_sharded_inputs(grad_y, None, weight, eps, Epilogue(norm_input=norm_input, grad_h=grad_h),
+                         route_of(group_name).world_size)
+    if _through_the_op(grad_y):
+        return torch.ops.tpfuse.reduce_scatter_rmsnorm_backward_all_gather(grad_y, norm_input, weight, eps,
+                                                                           group_name, grad_h)
+    return _backward(grad_y, norm_input, weight, eps, group_name, grad_h)
