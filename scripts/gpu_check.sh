@@ -5,7 +5,7 @@
 # counts, 5 providers), `variants` 2 min, the end-to-end benchmark 3-5 min: a 10-minute device call
 # holds one part.
 # Usage (device tool, carry [".anchors"] for FlashInfer):
-#   bash scripts/gpu_check.sh [one-gpu|timings|host|quick|tests|bench|variants|epilogues|baseline|e2e|hf|hf-pairs|soak-start|soak-wait]
+#   bash scripts/gpu_check.sh [one-gpu|timings|sequence-parallel|host|quick|tests|bench|variants|epilogues|baseline|e2e|hf|hf-pairs|soak-start|soak-wait]
 # Needs: 2+ GPUs, python3 with torch (>= 2.11) and triton; nothing is installed from a registry.
 # Runs on NVIDIA (CUDA torch) and AMD (ROCm torch: MI300X, MI355X) alike: on ROCm the topology comes
 # from rocm-smi and FlashInfer (NVIDIA only) leaves the providers.
@@ -73,6 +73,15 @@ if [ "$MODE" = timings ]; then
   exit $status
 fi
 if [ "$MODE" = host ]; then host_cost; exit $status; fi
+# `sequence-parallel` (2+ GPUs): the sharded block end against the group's reduce-scatter + compiled add +
+# RMSNorm + all-gather, and tpfuse's all-reduce block end (two-shot) of the same rows, 1k-16k tokens.
+if [ "$MODE" = sequence-parallel ]; then
+  timeout 420 torchrun --nproc_per_node="$NGPU" -m tpfuse bench kernel --hidden 4096,8192 \
+    --tokens 1024,2048,4096,8192,16384 --providers tpfuse:sp,nccl_sp,tpfuse:twoshot,nccl \
+    --out "$OUT/sequence-parallel" > "$OUT/sequence-parallel.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/sequence-parallel.log" | tail -14
+  exit $status
+fi
 E2E_LAYERS=${E2E_LAYERS:-8}
 e2e() {
   echo "== end to end: TP llama-3-8b shapes ($E2E_LAYERS layers), decode steps and prefill, CUDA graphs =="

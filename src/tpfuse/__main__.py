@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         "--providers",
         default=None,
         help="kernel: tpfuse, tpfuse:oneshot, tpfuse:twoshot, tpfuse:<variant>, nccl, symm_mem, "
-        "flashinfer, floor, launch (default tpfuse,nccl,symm_mem,flashinfer,floor,launch); e2e: unfused, "
-        "tpfuse, flashinfer",
+        "flashinfer, floor, launch, and sequence parallel's tpfuse:sp and nccl_sp (default "
+        "tpfuse,nccl,symm_mem,flashinfer,floor,launch); e2e: unfused, tpfuse, flashinfer",
     )
     bench.add_argument("--epilogue", default="plain",
                        help="kernel: the block ends every provider computes, comma-separated: plain, "

@@ -19,7 +19,7 @@ from tpfuse.bench.output import pyplot, write_csv
 from tpfuse.bench.providers import EPS, FLOOR_PROVIDERS, Providers, epilogue_case, peer_copy_gbps
 from tpfuse.bench.timing import graph_replay_us
 
-BASELINES = ("nccl+norm", "symm_oneshot+norm", "fi_oneshot", "fi_twoshot")
+BASELINES = ("nccl+norm", "symm_oneshot+norm", "fi_oneshot", "fi_twoshot", "nccl_rs+norm+ag")
 
 
 def bench_inputs(epilogue: str, n: int, hidden: int, world: int, rank: int, device: torch.device):

@@ -9,6 +9,9 @@ all-reduces, dynamic fp8) where it has them:
 - ``tpfuse:<variant>``: a launch variant of the one-shot (:data:`ONESHOT_VARIANTS`) or of the two-shot
   (:data:`TWOSHOT_GROUPS`), docs/kernel-notes.md; ``tpfuse:twoshot_fp8``: the two-shot on the fp8 wire;
 - ``nccl+norm``: the group's all-reduce plus a compiled add + RMSNorm (the unfused model);
+- ``tpfuse:sp`` / ``nccl_sp`` (``nccl_rs+norm+ag``): sequence parallel's block end for the same rows, fused
+  (``tpfuse.reduce_scatter_add_rmsnorm_all_gather``) and unfused (the group's reduce-scatter, the compiled
+  add + RMSNorm of the rank's rows, the group's all-gather); plain epilogue only;
 - ``symm_oneshot+norm``: torch symmetric memory's one-shot all-reduce plus the same norm;
 - ``fi_oneshot`` / ``fi_twoshot``: FlashInfer's fused kernel, when importable (plain epilogue only);
 - ``floor`` / ``launch``: no op, the bounds of a one-token call (one exchange with every peer; an
@@ -115,6 +118,28 @@ class Providers:
             if resource is not None:
                 resource.release()
 
+    def _sequence_parallel(self, name: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
+                           ) -> dict[str, Callable[[], tuple[torch.Tensor, None]]]:
+        """Sequence parallel's block end of ``x``'s rows, this rank's rows of ``residual`` added: fused, or
+        the group's reduce-scatter, the compiled add + RMSNorm and the group's all-gather."""
+        import tpfuse
+
+        rows = x.shape[0] // self.world
+        own = residual[self.rank * rows:(self.rank + 1) * rows].contiguous()
+        if name == "tpfuse:sp":
+            return {name: lambda: (tpfuse.reduce_scatter_add_rmsnorm_all_gather(x, own, weight, EPS)[0], None)}
+        from tpfuse.blockend.epilogue import PLAIN
+
+        scattered, y = torch.empty_like(own), torch.empty_like(x)
+
+        def unfused():
+            dist.reduce_scatter_tensor(scattered, x)
+            y_own = self._norm(scattered, own, weight, EPS, None, PLAIN)[0]
+            dist.all_gather_into_tensor(y, y_own)
+            return y, None
+
+        return {"nccl_rs+norm+ag": unfused}
+
     def calls(self, case, inputs: dict, two_branches: bool = False
               ) -> dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor | None]]]:
         """name -> a function that runs that provider once and returns its ``(y, scales)`` (scales: dynamic
@@ -173,6 +198,9 @@ class Providers:
                 out[name] = launcher(oneshot_allreduce_add_rmsnorm)
             elif name == "tpfuse:twoshot":
                 out[name] = launcher(twoshot_allreduce_add_rmsnorm)
+            elif name in ("tpfuse:sp", "nccl_sp"):
+                if epilogue.plain and x_other is None and n % self.world == 0:
+                    out.update(self._sequence_parallel(name, x, residual, weight))
             elif name.startswith("tpfuse:"):
                 key = name.split(":", 1)[1]
                 if key == "twoshot_fp8":  # the two-shot on the fp8 wire (kernels/wire.py)
