@@ -127,7 +127,8 @@ class Providers:
         rows = x.shape[0] // self.world
         own = residual[self.rank * rows:(self.rank + 1) * rows].contiguous()
         if name == "tpfuse:sp":
-            return {name: lambda: (tpfuse.reduce_scatter_add_rmsnorm_all_gather(x, own, weight, EPS)[0], None)}
+            fused = tpfuse.reduce_scatter_add_rmsnorm_all_gather
+            return {name: lambda: (fused(x, own, weight, EPS)[0], None)}
         from tpfuse.blockend.epilogue import PLAIN
 
         scattered, y = torch.empty_like(own), torch.empty_like(x)
