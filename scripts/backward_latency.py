@@ -17,7 +17,7 @@ from tpfuse.blockend.epilogue import Epilogue
 from tpfuse.kernels import layout
 from tpfuse.kernels.oneshot import oneshot_allreduce_add_rmsnorm
 from tpfuse.kernels.twoshot import twoshot_allreduce_add_rmsnorm
-from tpfuse.testing import compile_then_start_afresh, local_launch_contexts
+from tpfuse.testing import compile_then_start_afresh, local_launch_contexts, on_rank_streams
 
 WORLD, EPS = 2, 1e-5
 SUM_ONLY = Epilogue(normed=False)
@@ -53,23 +53,14 @@ def main() -> None:
                                 SUM_ONLY) for r in range(WORLD)]
             unfused_out = [None] * WORLD
 
-            def on_ranks(run):
-                here = torch.cuda.current_stream()
-                for r in range(WORLD):
-                    streams[r].wait_stream(here)
-                    with torch.cuda.stream(streams[r]):
-                        run(r)
-                for stream in streams:
-                    here.wait_stream(stream)
-
             def fused_step():
-                on_ranks(lambda r: launch(contexts[r], fused[r]))
+                on_rank_streams(streams, lambda r: launch(contexts[r], fused[r]))
 
             def unfused_step():
                 def run(r):
                     launch(contexts[r], summed[r])
                     unfused_out[r] = rmsnorm_backward(summed[r].h, a, weight, grad_h)
-                on_ranks(run)
+                on_rank_streams(streams, run)
 
             compile_then_start_afresh(contexts, fused_step, unfused_step)
             for call in fused:

@@ -15,7 +15,7 @@ from tpfuse.bench.providers import ONESHOT_VARIANTS
 from tpfuse.bench.timing import graph_replay_us
 from tpfuse.kernels import layout
 from tpfuse.kernels.oneshot import OneShotVariant, oneshot_allreduce_add_rmsnorm
-from tpfuse.testing import compile_then_start_afresh, local_launch_contexts
+from tpfuse.testing import compile_then_start_afresh, local_launch_contexts, on_rank_streams
 from tpfuse.testing.cases import Case, check_results
 
 WORLD = 2
@@ -36,13 +36,8 @@ def main() -> None:
             cells = []
             for name, variant in variants.items():
                 def step(variant=variant):
-                    here = torch.cuda.current_stream()
-                    for r in range(WORLD):
-                        streams[r].wait_stream(here)
-                        with torch.cuda.stream(streams[r]):
-                            oneshot_allreduce_add_rmsnorm(contexts[r], calls[r], variant=variant)
-                    for stream in streams:
-                        here.wait_stream(stream)
+                    on_rank_streams(streams, lambda r: oneshot_allreduce_add_rmsnorm(contexts[r], calls[r],
+                                                                                     variant=variant))
 
                 compile_then_start_afresh(contexts, step)
                 for y, h in outputs:

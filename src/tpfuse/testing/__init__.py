@@ -37,6 +37,21 @@ def previous_slot_is_clear(comm) -> bool:
                 (workspace.descriptors()[prev, others] == SENTINEL).all())
 
 
+def on_rank_streams(streams: list, run) -> None:
+    """``run(r)`` for each rank of a group whose ranks share this process's GPU, each on its stream in
+    ``streams`` (forked from the current stream and joined back), so the ranks' kernels run at once, as
+    the kernels' protocol needs (:func:`local_launch_contexts`)."""
+    import torch
+
+    here = torch.cuda.current_stream()
+    for r, stream in enumerate(streams):
+        stream.wait_stream(here)
+        with torch.cuda.stream(stream):
+            run(r)
+    for stream in streams:
+        here.wait_stream(stream)
+
+
 def local_launch_contexts(device, region_elems: int, world_size: int = 1) -> list:
     """One :class:`tpfuse.kernels.layout.LaunchContext` per rank of a group whose ranks all live in this
     process, every buffer on ``device``: a group of one runs the kernels' own arithmetic as the device
