@@ -4,10 +4,11 @@ rank) against tpfuse's all-reduce block end of the same rows (the two-shot, unsh
 whole residual) and against the chain unfused, its collectives as plain reads of the peer's rows: the
 reduce-scatter a torch add of both ranks' rows of this rank's shard, then Inductor's add + RMSNorm, then
 the all-gather a copy of both ranks' normed rows (no synchronisation and no protocol: the unfused chain's
-traffic at its cheapest). GPU us a call, both ranks' kernels at once on streams of their own (CUDA-graph replays, ``bench.timing.graph_replay_us``); every output is checked
-against float64 and across the ranks first, and the sharded call's rows against the all-reduce's bit for
-bit. As ``scripts/loopback_latency.py``: the peers' buffers are in the same GPU, so only the ratios carry
-over to two GPUs, and there is no NCCL baseline here (two GPUs: ``bench kernel``).
+traffic at its cheapest). GPU us a call, both ranks' kernels at once on streams of their own (CUDA-graph
+replays, ``bench.timing.graph_replay_us``); every output is checked against float64 and across the ranks
+first, and the sharded call's rows against the all-reduce's bit for bit. As
+``scripts/loopback_latency.py``: the peers' buffers are in the same GPU, so only the ratios carry over to
+two GPUs, and there is no NCCL baseline here (two GPUs: ``gpu_check.sh sequence-parallel``).
 
 Usage: PYTHONPATH=src python3 scripts/sequence_parallel_latency.py
 """
