@@ -86,15 +86,18 @@ def test_calls_over_the_workspace_run_in_parts_with_the_same_bits(rank_pool):
 
 
 def _gathered(rank, world_size, cases):
-    """No communicator: every sharded call takes the gathered path."""
+    """No communicator: every sharded call takes the gathered path, outside batch-invariant mode and in it."""
     tpfuse.reset_stats()
     out = []
-    for case in cases:
-        inp = case.inputs(world_size)
-        y, h = tpfuse.reduce_scatter_add_rmsnorm_all_gather(
-            inp["xs"][rank], _own(inp["residual"], rank, world_size), inp["weight"], case.eps,
-            **_step_kwargs(inp, case))
-        out.append((y, h))
+    for invariant in (False, True):
+        tpfuse.set_batch_invariant(invariant)
+        for case in cases:
+            inp = case.inputs(world_size)
+            y, h = tpfuse.reduce_scatter_add_rmsnorm_all_gather(
+                inp["xs"][rank], _own(inp["residual"], rank, world_size), inp["weight"], case.eps,
+                **_step_kwargs(inp, case))
+            out.append((y, h))
+    tpfuse.set_batch_invariant(None)
     return {"outputs": out, "stats": tpfuse.stats()}
 
 
@@ -103,11 +106,10 @@ def test_without_a_communicator_the_gathered_path_gives_the_kernels_bits(rank_po
     fused = rank_pool(2).run(_forward, cases, 64)
     gathered = rank_pool(2).run(_gathered, cases)
     for res in gathered:
-        assert res["stats"] == {"gathered": len(cases)}, res["stats"]
-    for i in range(len(cases)):
-        for rank in range(2):
-            y, h = gathered[rank]["outputs"][i]
-            want = fused[rank]["outputs"][i]
+        assert res["stats"] == {"gathered": 2 * len(cases)}, res["stats"]
+    for rank in range(2):
+        for i, (y, h) in enumerate(gathered[rank]["outputs"]):  # each case twice: outside the mode, in it
+            want = fused[rank]["outputs"][i % len(cases)]
             assert torch.equal(y, want["y"]) and torch.equal(h, want["h"]), (i, rank)
 
 
