@@ -86,9 +86,12 @@ def _dtensor_reduction(node: torch.fx.Node) -> DynamoSite | None:
 
 
 def dynamo_reductions(gm: torch.fx.GraphModule) -> list[DynamoSite]:
-    """Every all-reduce and reduce-scatter of a dynamo graph, in graph order."""
+    """Every all-reduce and reduce-scatter of a dynamo graph, in graph order; those of its subgraphs too
+    (an autograd.Function's body, as torchtitan's plain-tensor collectives are in training)."""
     found = []
-    for node in gm.graph.nodes:
+    graphs = [gm.graph] + [module.graph for name, module in gm.named_modules()
+                           if name and isinstance(module, torch.fx.GraphModule)]
+    for node in (node for graph in graphs for node in graph.nodes):
         if node.op == "call_function" and node.target in _FUNCOL_ALL_REDUCE + _FUNCOL_REDUCE_SCATTER:
             value, reduce_op = node.meta.get("example_value"), node.args[1]
             sharded = node.target in _FUNCOL_REDUCE_SCATTER

@@ -82,6 +82,9 @@ class BackwardMatch:
     inside: set  # the norm's backward between g and the add
     gathered: Node | None = None  # sequence parallel's: the wait of out's all-gather
     shards: int = 0  # sequence parallel's: the ranks the rows are sharded over
+    # ... reduce-scattered sequence-first (torchtitan's plain tensors): the permutes and copies around the
+    # collectives, which go with them; ``parts`` then holds x as [B, S, H]
+    around: tuple = ()
 
     @property
     def pattern(self) -> str:
@@ -116,7 +119,7 @@ def _total(all_reduce: Node) -> tuple[Node, list[Node], list[Node]] | None:
     if not is_call(wait, WAIT):
         return None
     if all_reduce.target == REDUCE_SCATTER:
-        return wait, [all_reduce], []
+        return _sequence_first(all_reduce) or (wait, [all_reduce], [])
     group_name, total, members, adds = all_reduce.args[2], wait, [all_reduce], []
     while True:
         add = only_user(total)
@@ -126,6 +129,18 @@ def _total(all_reduce: Node) -> tuple[Node, list[Node], list[Node]] | None:
         if more is None:
             return total, members, adds
         total, members, adds = add, members + more[0], adds + more[1] + [add]
+
+
+def _sequence_first(reduce_scatter: Node) -> tuple[Node, list[Node], list[Node]] | None:
+    """(g, [the reduce-scatter], [the permutes and copy around it]) where x [B, S, H] is permuted to
+    [S, B, H], copied, reduce-scattered and permuted back; else None."""
+    wait = only_user(reduce_scatter)
+    back, copy = only_user(wait), reduce_scatter.args[0]
+    before = copy.args[0] if is_call(copy, aten.clone.default) and len(copy.users) == 1 else None
+    if not (all(is_call(n, aten.permute.default) and list(n.args[1]) == [1, 0, 2] for n in (back, before))
+            and len(before.users) == 1):
+        return None
+    return back, [reduce_scatter], [before, copy, wait]
 
 
 def _reachable(start: Node) -> set:
@@ -273,15 +288,19 @@ def find_site(all_reduce: Node) -> BackwardMatch | None:
         eps = _eps_of(inside, end, total, norm_input, weight)
         if eps is None:
             continue
-        gather = None
-        if shards:  # out's rows all-gathered (its other readers take this rank's rows)
-            gathers = [only_user(u) for u in out.users if is_call(u, ALL_GATHER)
-                       and (u.args[1], str(u.args[2])) == (shards, str(group_name))]
-            if len(gathers) != 1 or not is_call(gathers[0], WAIT):
+        gather, around, parts = None, (), [m.args[0] for m in members]
+        if shards:  # out's rows all-gathered (its other readers take this rank's rows), a copy between or not
+            readers = [only_user(u) if is_call(u, aten.clone.default) and len(u.users) == 1 else u
+                       for u in out.users]
+            gathers = [r for r in readers if is_call(r, ALL_GATHER)
+                       and (r.args[1], str(r.args[2])) == (shards, str(group_name))]
+            if len(gathers) != 1 or not is_call(only_user(gathers[0]), WAIT):
                 continue
-            gather = gathers[0]
-        return BackwardMatch(members, summing, [m.args[0] for m in members], group_name, total, out,
-                             grad_h, norm_input, weight, eps, inside, gather, shards)
+            gather = only_user(gathers[0])
+            if summing and is_call(summing[0], aten.permute.default):  # sequence-first: x as [B, S, H]
+                around, parts, summing = (*summing, total), [summing[0].args[0]], []
+        return BackwardMatch(members, summing, parts, group_name, total, out, grad_h, norm_input, weight, eps,
+                             inside, gather, shards, around)
     return None
 
 
@@ -299,12 +318,21 @@ def problem(match: BackwardMatch, token_bound, fusion_limit: int) -> Reason | No
     return token_limit_problem(match.tokens, token_bound, fusion_limit, "compile with tpfuse.compile")
 
 
+def _size(call, node: Node, dim: int):
+    """``node``'s size ``dim``: an int, or the graph's ``sym_size`` of it."""
+    size = static_int(meta_val(node).shape[dim])
+    return size if size is not None else call(aten.sym_size.int, node, dim)
+
+
 def replace(graph: Graph, m: BackwardMatch) -> None:
     """Rewrite the site to the fused op (the caller re-sorts the graph)."""
     call = graph_caller(graph, m.total)
     val = meta_val(m.total)
     with graph.inserting_before(m.out):
         x = m.parts[0]
+        if m.around:  # [B, S, H] as each rank's rows [B, S / W, H] in turn: rank-major, as the op
+            x = call(aten.reshape.default, x, [_size(call, x, 0), m.shards, -1, m.hidden])
+            x = call(aten.permute.default, x, [1, 0, 2, 3])
         if len(m.parts) > 1:  # the parts summed before the one all-reduce, in fp32, rounded once
             x = call(prims.convert_element_type.default, x, torch.float32)
             for part in m.parts[1:]:
@@ -316,8 +344,9 @@ def replace(graph: Graph, m: BackwardMatch) -> None:
         if m.shards:
             op = torch.ops.tpfuse.reduce_scatter_rmsnorm_backward_all_gather.default
             fused = call(op, flat[0], flat[1], m.weight, m.eps, m.group_name, flat[2])
-            gathered_sizes = [static_int(s) if static_int(s) is not None else call(aten.sym_size.int, x, d)
-                              for d, s in enumerate(meta_val(m.gathered).shape)]
+            # the gathered rows have x's shape; sequence-first, [W * B, S / W, H]
+            gathered_sizes = ([call(operator.mul, m.shards, _size(call, m.parts[0], 0)), -1, m.hidden]
+                              if m.around else [_size(call, x, d) for d in range(len(meta_val(x).shape))])
             m.gathered.replace_all_uses_with(call(aten.reshape.default, call(operator.getitem, fused, 0),
                                                   gathered_sizes))
             grad_input, total = (call(aten.reshape.default, call(operator.getitem, fused, i), sizes)
@@ -332,7 +361,9 @@ def replace(graph: Graph, m: BackwardMatch) -> None:
     order = {node: i for i, node in enumerate(graph.nodes)}
     gone = {m.out, *m.inside, *m.adds} | {n for r in m.all_reduces for n in (r, only_user(r))}
     if m.gathered is not None:
-        gone |= {m.gathered, m.gathered.args[0]}
+        gather = m.gathered.args[0]
+        copied = is_call(gather.args[0], aten.clone.default)  # the copy before it, where there is one
+        gone |= {m.gathered, gather, *m.around} | ({gather.args[0]} if copied else set())
     for node in sorted(gone, key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)

@@ -201,23 +201,32 @@ def match_rmsnorm(h: Node, quantised: bool = False, dtype: torch.dtype | None = 
                     return Norm(out, other_arg(out, back), float(add_eps.args[1]), internal + [back])
             scaled = only_user(normed)  # torch rms_norm, Gemma: the weight in fp32, then cast back
             if is_call(scaled, aten.mul.Tensor):
-                out = _cast_back(scaled, dtype, quantised)
+                out, via = _cast_back(scaled, dtype, quantised)
                 if out is not None:
-                    return Norm(out, other_arg(scaled, normed), float(add_eps.args[1]), internal + [scaled])
+                    return Norm(out, other_arg(scaled, normed), float(add_eps.args[1]),
+                                internal + [scaled] + via)
     return None
 
 
-def _cast_back(normed: Node, dtype: torch.dtype, quantised: bool) -> Node | None:
-    """The norm's fp32 result ``normed`` cast back to the activations' ``dtype``, its only use; or, when
-    fp8 follows (``quantised``), ``normed`` itself where the graph has no cast. torch 2.11's post-grad
-    graph drops the ``.to(bf16).float()`` between a norm whose weight is applied in fp32 (Gemma's, a
-    LayerNorm) and the quantisation's division; the kernels quantise the fp32 row as that graph does."""
+def _cast_back(normed: Node, dtype: torch.dtype, quantised: bool) -> tuple[Node | None, list[Node]]:
+    """(the norm's fp32 result ``normed`` cast back to the activations' ``dtype``, its only use; the nodes
+    between). Or, when fp8 follows (``quantised``), ``normed`` itself where the graph has no cast. torch
+    2.11's post-grad graph drops the ``.to(bf16).float()`` between a norm whose weight is applied in fp32
+    (Gemma's, a LayerNorm) and the quantisation's division; the kernels quantise the fp32 row as that graph
+    does. A contiguous copy before the cast is looked through (the norm of a permuted view: torchtitan's
+    sequence-parallel rows)."""
     if len(normed.users) != 1:
-        return None
+        return None, []
+    via = []
+    copy = only_user(normed)
+    if (is_call(copy, aten.clone.default) and len(copy.users) == 1
+            and copy.kwargs.get("memory_format", torch.contiguous_format) == torch.contiguous_format):
+        via, normed = [copy], copy
     out = convert_to(normed, dtype)
-    if out is None and quantised and meta_val(normed).dtype == torch.float32 and dtype != torch.float32:
-        return normed
-    return out
+    if (out is None and quantised and not via and meta_val(normed).dtype == torch.float32
+            and dtype != torch.float32):
+        return normed, []
+    return out, via
 
 
 def _plus_eps_rsqrt(node: Node) -> tuple[Node | None, Node | None]:
@@ -254,9 +263,9 @@ def match_layernorm(h: Node, quantised: bool = False) -> LayerNorm | None:
             if is_add(after):
                 bias, last = other_arg(after, scaled), after
                 internal.append(after)
-            out = _cast_back(last, meta_val(h).dtype, quantised)
+            out, via = _cast_back(last, meta_val(h).dtype, quantised)
             if out is not None:
-                return LayerNorm(out, other_arg(scaled, normed), float(add_eps.args[1]), bias, internal)
+                return LayerNorm(out, other_arg(scaled, normed), float(add_eps.args[1]), bias, internal + via)
     return None
 
 

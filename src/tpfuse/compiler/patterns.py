@@ -140,6 +140,9 @@ class Match:
     # Sequence parallel: the site is a reduce-scatter over this many ranks (0: an all-reduce); x holds their
     # rows, h this rank's, and ``out`` is the all-gather of the normed rows
     shards: int = 0
+    # ... with the rows reduce-scattered sequence-first: x [B, S, H] permuted to [S, B, H] and copied before
+    # the reduce-scatter, the result permuted back (torchtitan's plain-tensor backend)
+    sequence_first: bool = False
 
     @property
     def tokens(self):
@@ -216,9 +219,18 @@ class FusionPattern:
         hidden = static_int(meta_val(wait).shape[-1])
         if hidden is None or (shards and (self.quantised or self.branches > 1)):
             return None
-        chain = row_views(wait, hidden)
+        start, around = wait, []
+        if shards and is_call(back := only_user(wait), aten.permute.default) and list(back.args[1]) == [1, 0, 2]:
+            # permute -> contiguous copy -> reduce-scatter -> permute back: x's rows as [B, S, H]
+            before = x.args[0] if is_call(x, aten.clone.default) and len(x.users) == 1 else None
+            if not (is_call(before, aten.permute.default) and list(before.args[1]) == [1, 0, 2]
+                    and len(before.users) == 1):
+                return None
+            x, start, around = before.args[0], back, [before, all_reduce.args[0], wait]
+        chain = row_views(start, hidden)
         m = Match(all_reduce=all_reduce, x=x, group_name=group_name, reduce_op=reduce_op, h=chain[-1],
-                  out=chain[-1], weight=None, eps=0.0, hidden=hidden, shards=shards)
+                  out=chain[-1], weight=None, eps=0.0, hidden=hidden, shards=shards, sequence_first=bool(around),
+                  internal=around)
         steps = list(chain)  # nodes from the sum to h
 
         def follow(node: Node) -> Node:  # the views after a step belong to it
@@ -358,7 +370,8 @@ class FusionPattern:
             return reason
         if fusion_limit <= 0:
             return no_communicator(m.group_name, m.hidden, x.dtype)
-        if element_count(x.shape) != max(m.shards, 1) * element_count(meta_val(m.h).shape):
+        if (element_count(x.shape) != max(m.shards, 1) * element_count(meta_val(m.h).shape)
+                and not (m.shards and _sharded_shapes(m) is not None)):  # sizes the reduce-scatter divides
             return Reason("operands", f"the all-reduced {tuple(x.shape)} is broadcast by the add to "
                                       f"{tuple(meta_val(m.h).shape)}")
         if m.x_other is not None and (meta_val(m.x_other).dtype != x.dtype or element_count(meta_val(m.x_other).shape)
@@ -388,6 +401,8 @@ class FusionPattern:
                 return Reason("outside-users", f"{what} of the pattern has users outside it")
         # (fp4 scales are the op's own tensor, its rows padded: no size of theirs is looked for)
         outputs = [m.out, m.h] + m.aliases + [n for n in (None if m.fp4 else m.scales, m.normed) if n is not None]
+        if m.shards and _sharded_shapes(m) is not None:  # y's and h's sizes follow from x's (replace)
+            outputs = outputs[2:]
         for node in outputs:
             if any(static_int(s) is None and _size_source(m.all_reduce.graph, s, m) is None
                    for s in meta_val(node).shape):
@@ -413,6 +428,11 @@ class FusionPattern:
 
         with graph.inserting_before(m.out):
             x2, finalize = _finalized_x(call, m)
+            if m.sequence_first:  # [B, S, H] as each rank's rows [B, S / W, H] in turn: rank-major, as the op
+                batch = static_int(meta_val(m.x).shape[0])
+                batch = batch if batch is not None else call(aten.sym_size.int, m.x, 0)
+                x2 = call(aten.reshape.default, m.x, [batch, m.shards, -1, hidden])
+                x2 = call(aten.reshape.default, call(aten.permute.default, x2, [1, 0, 2, 3]), [-1, hidden])
             if m.x_other is not None:  # one all-reduce of both branches: the second one's x added in the op
                 other = call(aten.reshape.default, m.x_other, [m.x_other_copies, -1, hidden])
                 if m.x_other_copies > 1:  # summing the copies is linear: before the all-reduce, not after
@@ -453,8 +473,18 @@ class FusionPattern:
             elif m.scales is not None:
                 m.scales.replace_all_uses_with(call(aten.reshape.default, scales,
                                                     shape_args(meta_val(m.scales).shape)))
-            y = call(aten.reshape.default, y2, shape_args(meta_val(m.out).shape))
-            h = call(aten.reshape.default, h2, shape_args(meta_val(m.h).shape))
+            shapes = _sharded_shapes(m) if m.shards else None
+            if shapes is not None:  # y's and h's sizes from x's (symbolic ones no input carries as they are)
+                sizes = {d: static_int(n) if static_int(n) is not None else call(aten.sym_size.int, m.x, d)
+                         for d, n in enumerate(meta_val(m.x).shape)}
+                y_sizes, h_sizes = ([size if isinstance(size, int) else sizes[size[1]] if size[0] == "x"
+                                     else call(operator.mul, m.shards, sizes[size[1]]) for size in shape]
+                                    for shape in shapes)
+                y = call(aten.reshape.default, y2, y_sizes)
+                h = call(aten.reshape.default, h2, h_sizes)
+            else:
+                y = call(aten.reshape.default, y2, shape_args(meta_val(m.out).shape))
+                h = call(aten.reshape.default, h2, shape_args(meta_val(m.h).shape))
             for alias in m.aliases:  # views of the sum that others read: the same rows of h
                 if any(u not in m.aliases and u is not m.h for u in alias.users):
                     alias.replace_all_uses_with(call(aten.reshape.default, h2, shape_args(meta_val(alias).shape)))
@@ -510,6 +540,29 @@ class FusionPattern:
                                                       inputs.get("scale_layout", SCALES_ROWS))
             return y, scales, h
         return y, h
+
+
+def _sharded_shapes(m: Match) -> tuple[list, list] | None:
+    """A sharded site's y and h shapes in terms of x's dimensions, where they have x's form: ``("x", d)``
+    is x's size d, ``("W*x", d)`` W times it, an int itself (-1: what is left); None where y and h are
+    shaped otherwise (views between: the sizes are then looked for as any site's).
+
+    DTensor's form reduce-scatters x [W*B, S/W, H] to h [B, S/W, H] and gathers y back to x's shape;
+    torchtitan's plain tensors hand x as [B, S, H] (permuted to [S, B, H] for the reduce-scatter): h is
+    [B, S/W, H], y [W*B, S/W, H]."""
+    x, h, y = (meta_val(n).shape for n in (m.x, m.h, m.out))
+    if len(x) < 2 or len(h) != len(x) or len(y) != len(x):
+        return None
+    def same(a, b) -> bool:
+        return size_expr(a) == size_expr(b)
+
+    rest = [("x", d) for d in range(1, len(x) - 1)]
+    if m.sequence_first and len(x) == 3 and same(h[0], x[0]) and same(y[1], h[1]):
+        return [("W*x", 0), -1, m.hidden], [("x", 0), -1, m.hidden]
+    if not m.sequence_first and all(same(y[d], x[d]) for d in range(len(x))) and all(
+            same(h[d], x[d]) for d in range(1, len(x))):
+        return [("x", 0), *rest, m.hidden], [-1, *rest, m.hidden]
+    return None
 
 
 def _finalized_x(call, m: Match) -> tuple[Node, dict]:
