@@ -481,23 +481,31 @@ class SequenceParallelSite(nn.Module):
     """Sequence parallel's block end as functional collectives write it: the rows reduce-scattered, this
     rank's residual rows added, RMSNorm, the normed rows all-gathered (or not: ``gathered``)."""
 
-    def __init__(self, gathered: bool = True):
+    def __init__(self, gathered: bool = True, sequence_first: bool = False):
         super().__init__()
         self.norm = nn.RMSNorm(HIDDEN, eps=1e-5)
-        self.gathered = gathered
+        self.gathered, self.sequence_first = gathered, sequence_first
 
     def forward(self, x, residual):
-        h = funcol.reduce_scatter_tensor(x, "sum", 0, dist.group.WORLD) + residual
-        y = self.norm(h)
+        if self.sequence_first:  # torchtitan's plain tensors: x [B, S, H] scattered over S
+            scattered = funcol.reduce_scatter_tensor(x.transpose(0, 1).contiguous(), "sum", 0, dist.group.WORLD)
+            h = scattered.transpose(0, 1) + residual
+        else:
+            h = funcol.reduce_scatter_tensor(x, "sum", 0, dist.group.WORLD) + residual
+        y = self.norm(h).contiguous()
         return (funcol.all_gather_tensor(y, 0, dist.group.WORLD) if self.gathered else y * 2), h
 
 
-@pytest.mark.parametrize("gathered", [True, False])
-def test_a_reduce_scatter_into_a_gathered_norm_fuses_into_the_sharded_op(gathered):
-    """At any token count (the sharded op runs in parts over the workspace): no bound is needed."""
-    module = SequenceParallelSite(gathered).bfloat16()
+@pytest.mark.parametrize("gathered, sequence_first", [(True, False), (False, False), (True, True)])
+def test_a_reduce_scatter_into_a_gathered_norm_fuses_into_the_sharded_op(gathered, sequence_first):
+    """At any token count (the sharded op runs in parts over the workspace): no bound is needed. Rows
+    scattered sequence-first (permuted before the reduce-scatter and back after) fuse too (their numbers:
+    tests/compiler/test_torchtitan.py)."""
+    module = SequenceParallelSite(gathered, sequence_first).bfloat16()
     fusion_pass = FusionPass(fusion_limit=4)
     x, residual = torch.randn(2 * TOKENS, HIDDEN).bfloat16(), torch.randn(TOKENS, HIDDEN).bfloat16()
+    if sequence_first:
+        x, residual = x.view(2, TOKENS, HIDDEN), residual.view(2, TOKENS // 2, HIDDEN)
     graph = post_grad_pass(module, x, residual, fusion_pass=fusion_pass)
     [[site]] = fusion_pass.reports
     ops = [n.target for n in graph.nodes if n.op == "call_function"]
