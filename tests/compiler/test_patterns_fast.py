@@ -488,7 +488,8 @@ class SequenceParallelSite(nn.Module):
 
     def forward(self, x, residual):
         if self.sequence_first:  # torchtitan's plain tensors: x [B, S, H] scattered over S
-            scattered = funcol.reduce_scatter_tensor(x.transpose(0, 1).contiguous(), "sum", 0, dist.group.WORLD)
+            sequence_major = x.transpose(0, 1).contiguous()
+            scattered = funcol.reduce_scatter_tensor(sequence_major, "sum", 0, dist.group.WORLD)
             h = scattered.transpose(0, 1) + residual
         else:
             h = funcol.reduce_scatter_tensor(x, "sum", 0, dist.group.WORLD) + residual
