@@ -477,9 +477,11 @@ class FusionPattern:
             if shapes is not None:  # y's and h's sizes from x's (symbolic ones no input carries as they are)
                 sizes = {d: static_int(n) if static_int(n) is not None else call(aten.sym_size.int, m.x, d)
                          for d, n in enumerate(meta_val(m.x).shape)}
+                def times_shards(size):
+                    return m.shards * size if isinstance(size, int) else call(operator.mul, m.shards, size)
+
                 y_sizes, h_sizes = ([size if isinstance(size, int) else sizes[size[1]] if size[0] == "x"
-                                     else call(operator.mul, m.shards, sizes[size[1]]) for size in shape]
-                                    for shape in shapes)
+                                     else times_shards(sizes[size[1]]) for size in shape] for shape in shapes)
                 y = call(aten.reshape.default, y2, y_sizes)
                 h = call(aten.reshape.default, h2, h_sizes)
             else:
