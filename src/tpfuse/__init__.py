@@ -21,6 +21,7 @@ from tpfuse.ops import (
     allreduce_rmsnorm_backward,
     quantize_fp4,
     reduce_scatter_add_rmsnorm_all_gather,
+    reduce_scatter_add_rmsnorm_all_gather_quant,
     reduce_scatter_rmsnorm_backward_all_gather,
 )
 from tpfuse.ops.determinism import batch_invariant, set_batch_invariant
@@ -44,6 +45,7 @@ __all__ = [
     "get_communicator",
     "quantize_fp4",
     "reduce_scatter_add_rmsnorm_all_gather",
+    "reduce_scatter_add_rmsnorm_all_gather_quant",
     "reduce_scatter_rmsnorm_backward_all_gather",
     "reset_stats",
     "set_batch_invariant",

@@ -442,6 +442,7 @@ def _sequence_parallel_model(rank, world_size):
     return runs, dict(compiled.tpfuse_backend.compiles), reports
 
 
+@pytest.mark.extended  # CI runs the same chain through torchtitan's own model and in the training test
 def test_parallelize_module_sequence_parallel(rank_pool):
     """torchtitan's default layout written with torch's ParallelStyles (SequenceParallel norms, wo / w2
     RowwiseParallel to Shard(1), the next layer's input gathered): every block end is a reduce-scatter ->

@@ -121,7 +121,10 @@ def _inference(rank, world_size, spmd_backend):
     return difference, [[str(s) for s in graph] for graph in compiled.tpfuse_backend.reports]
 
 
-@pytest.mark.parametrize("spmd_backend", ["partial_dtensor", "spmd_types"])
+# CI runs the plain-tensor backend (torchtitan's default); the DTensor form is CI's in the ParallelStyles
+# training test
+@pytest.mark.parametrize("spmd_backend", [pytest.param("partial_dtensor", marks=pytest.mark.extended),
+                                          "spmd_types"])
 def test_torchtitans_llama_with_sequence_parallel_fuses_every_block_end(rank_pool, spmd_backend):
     """torchtitan's own plan with sequence parallel on (its default): the embedding's reduce-scatter into the
     first norm and the four block ends are reduce-scatter -> add -> RMSNorm -> all-gather (DTensor's

@@ -113,6 +113,42 @@ def test_without_a_communicator_the_gathered_path_gives_the_kernels_bits(rank_po
             assert torch.equal(y, want["y"]) and torch.equal(h, want["h"]), (i, rank)
 
 
+#: Quantised outputs through the sharded call: dynamic fp8 with UE8M0 scales, NVFP4, MXFP4 with the
+#: norm's copy.
+QUANTISED = [Case(12, 512, seed=6, scale_group=128, ue8m0_scales=True), Case(12, 512, seed=7, fp4="nvfp4"),
+             Case(24, 512, seed=8, fp4="mxfp4", normed_copy=True, bias=True)]
+
+
+def _quantised(rank, world_size, cases):
+    tpfuse.get_communicator(max_tokens=64, hidden=4096)
+    out = []
+    for case in cases:
+        inp = case.inputs(world_size)
+        words = dict(output=case.fp4 or "fp8", scale_group=case.scale_group or None,
+                     ue8m0_scales=case.ue8m0_scales, global_scale=inp["global_scale"],
+                     normed_copy=case.normed_copy, bias=inp["bias"])
+        sharded = tpfuse.reduce_scatter_add_rmsnorm_all_gather_quant(
+            inp["xs"][rank], _own(inp["residual"], rank, world_size), inp["weight"], case.eps, **words)
+        reduced = tpfuse.allreduce_add_rmsnorm_quant(inp["xs"][rank], inp["residual"], inp["weight"],
+                                                     case.eps, **words)
+        out.append((tuple(sharded), tuple(reduced)))
+    return out
+
+
+def test_quantised_outputs_sharded_against_float64_and_the_all_reduce_bits(rank_pool):
+    results = rank_pool(2).run(_quantised, QUANTISED)
+    for i, case in enumerate(QUANTISED):
+        h = torch.cat([res[i][0][2] for res in results])
+        sharded = [res[i][0] for res in results]
+        check_results(case, 2, [(y, h, scales, normed) for y, scales, _, normed in sharded])
+        for rank, res in enumerate(results):
+            (y, scales, h_own, normed), (y_ar, scales_ar, h_ar, normed_ar) = res[i]
+            assert torch.equal(y.view(torch.uint8), y_ar.view(torch.uint8)), (case, rank)
+            assert torch.equal(scales.view(torch.uint8), scales_ar.view(torch.uint8)), (case, rank)
+            assert torch.equal(h_own, _own(h_ar, rank, 2)), (case, rank)
+            assert normed is None or torch.equal(normed, normed_ar), (case, rank)
+
+
 HIDDEN, EPS = 512, 1e-5
 
 

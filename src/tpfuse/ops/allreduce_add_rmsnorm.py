@@ -178,14 +178,17 @@ def _quant(x, residual, weight, eps, group_name, **step_args):
     return _run_quant(x, residual, weight, eps, group_name, epilogue)
 
 
-def _run_quant(x, residual, weight, eps, group_name, epilogue: Epilogue):
-    """A checked quantising call: its outputs made, run by its group's route."""
+def _run_quant(x, residual, weight, eps, group_name, epilogue: Epilogue, own_rows: int | None = None):
+    """A checked quantising call: its outputs made, run by its group's route. ``own_rows``: a sharded
+    call's (sequence parallel), whose h holds this rank's rows."""
     if not epilogue.quantised:
         raise ValueError("allreduce_add_rmsnorm_quant quantises y: pass quant_scale, scale_group or fp4")
     y, scales, h, normed = _quantised_outputs(x, epilogue)
+    if own_rows is not None:
+        h = x.new_empty((own_rows, x.shape[-1]))
     route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, epilogue,
                                        scales if scales.shape[1] else None,
-                                       normed if epilogue.normed_copy else None))
+                                       normed if epilogue.normed_copy else None, own_rows is not None))
     return y, scales, h, normed
 
 
@@ -493,22 +496,9 @@ def allreduce_add_rmsnorm_quant(
     QuantizedOutputs
         ``(y, scales, h, normed)``.
     """
-    if output not in OUTPUTS:
-        raise ValueError(f"output must be one of {sorted(OUTPUTS)}, got {output!r}")
-    if scale_layout not in SCALE_LAYOUTS:
-        raise ValueError(f"scale_layout must be one of {sorted(SCALE_LAYOUTS)}, got {scale_layout!r}")
-    fp4 = OUTPUTS[output]
-    if fp4 == bits.FP4_NONE and quant_scale is None:
-        scale_group = x.shape[-1] if scale_group is None and isinstance(x, torch.Tensor) else scale_group
-        if isinstance(scale_group, bool) or not isinstance(scale_group, int) or scale_group <= 0:
-            raise ValueError(f"scale_group must be a positive int (elements per scale), got {scale_group!r}")
-    elif scale_group is not None:
-        raise ValueError("scale_group is dynamic fp8's: static fp8 (quant_scale) and fp4 have their own scales")
-    epilogue = Epilogue(quant_scale=quant_scale, bias=bias, sum_weight=sum_weight, layer_norm=layer_norm,
-                        norm_bias=norm_bias, scale_group=scale_group or 0, experts=_experts(x),
-                        topk_weights=topk_weights, shared_expert=shared_expert, normed_copy=normed_copy,
-                        ue8m0_scales=ue8m0_scales, scale_layout=SCALE_LAYOUTS[scale_layout], fp4=fp4,
-                        global_scale=global_scale)
+    epilogue = quantised_block_end(x, output, quant_scale, scale_group, ue8m0_scales, scale_layout, global_scale,
+                                   normed_copy, bias=bias, sum_weight=sum_weight, layer_norm=layer_norm,
+                                   norm_bias=norm_bias, topk_weights=topk_weights, shared_expert=shared_expert)
     check_inputs(x, residual, weight, eps, epilogue)
     group_name = group_name_of(group)
 
@@ -521,6 +511,27 @@ def allreduce_add_rmsnorm_quant(
     inputs = (x, residual, weight, bias, sum_weight, norm_bias, topk_weights, shared_expert)
     y, scales, h, normed = refusing_gradient(run, *inputs) if requires_grad(*inputs) else run()
     return QuantizedOutputs(y, scales if scales.shape[-1] else None, h, normed if normed_copy else None)
+
+
+def quantised_block_end(x, output: str, quant_scale, scale_group, ue8m0_scales: bool, scale_layout: str,
+                        global_scale, normed_copy: bool, **steps) -> Epilogue:
+    """The block end of a quantising call from :func:`allreduce_add_rmsnorm_quant`'s words (``output``,
+    the scales' form and layout, the steps' tensors), checked: ValueError naming a word it does not
+    know or a combination the formats do not have."""
+    if output not in OUTPUTS:
+        raise ValueError(f"output must be one of {sorted(OUTPUTS)}, got {output!r}")
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout must be one of {sorted(SCALE_LAYOUTS)}, got {scale_layout!r}")
+    fp4 = OUTPUTS[output]
+    if fp4 == bits.FP4_NONE and quant_scale is None:
+        scale_group = x.shape[-1] if scale_group is None and isinstance(x, torch.Tensor) else scale_group
+        if isinstance(scale_group, bool) or not isinstance(scale_group, int) or scale_group <= 0:
+            raise ValueError(f"scale_group must be a positive int (elements per scale), got {scale_group!r}")
+    elif scale_group is not None:
+        raise ValueError("scale_group is dynamic fp8's: static fp8 (quant_scale) and fp4 have their own scales")
+    return Epilogue(quant_scale=quant_scale, scale_group=scale_group or 0, experts=_experts(x),
+                    normed_copy=normed_copy, ue8m0_scales=ue8m0_scales, scale_layout=SCALE_LAYOUTS[scale_layout],
+                    fp4=fp4, global_scale=global_scale, **steps)
 
 
 def _experts(x) -> int:

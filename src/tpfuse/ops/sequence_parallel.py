@@ -18,11 +18,23 @@ import torch.distributed as dist
 
 from tpfuse.blockend.call import FusedCall
 from tpfuse.blockend.epilogue import PLAIN, Epilogue, schema
-from tpfuse.ops.allreduce_add_rmsnorm import _CALL, _empty_y, _lib, _through_the_op, check_inputs
+from tpfuse.ops.allreduce_add_rmsnorm import (
+    _CALL,
+    QuantizedOutputs,
+    _empty_y,
+    _lib,
+    _quantised_outputs,
+    _run_quant,
+    _through_the_op,
+    check_inputs,
+    quantised_block_end,
+)
 from tpfuse.ops.gradient import refusing_gradient, requires_grad, sharded_block_end_with_gradient
 from tpfuse.ops.route import group_by_name, group_name_of, route_of
 
 _lib.define(f"reduce_scatter_add_rmsnorm_all_gather({_CALL}, *, {schema()}) -> (Tensor, Tensor)")
+_lib.define(f"reduce_scatter_add_rmsnorm_all_gather_quant({_CALL}, *, {schema()}) "
+            "-> (Tensor, Tensor, Tensor, Tensor)")
 _lib.define("reduce_scatter_rmsnorm_backward_all_gather(Tensor grad_y, Tensor norm_input, Tensor weight, "
             "float eps, str group_name, Tensor grad_h) -> (Tensor, Tensor, Tensor)")
 
@@ -59,6 +71,18 @@ def _sharded_fake(x, residual, weight, eps, group_name, **step_args):
     return _empty_y(x, Epilogue.of(step_args)), x.new_empty((own_rows, x.shape[1]))
 
 
+def _sharded_quant(x, residual, weight, eps, group_name, **step_args):
+    epilogue = Epilogue.of(step_args)
+    route = route_of(group_name)
+    own_rows = check_sharded_inputs(x, residual, weight, eps, epilogue, route.world_size)
+    return _run_quant(x, residual, weight, eps, group_name, epilogue, own_rows)
+
+
+def _sharded_quant_fake(x, residual, weight, eps, group_name, **step_args):
+    y, scales, _, normed = _quantised_outputs(x, Epilogue.of(step_args))
+    return y, scales, x.new_empty((x.shape[0] // _world_size(group_name), x.shape[1])), normed
+
+
 def _backward(grad_y, norm_input, weight, eps, group_name, grad_h):
     grad_input, g = _sharded(grad_y, None, weight, eps, group_name, norm_input=norm_input, grad_h=grad_h)
     rank, rows = dist.get_rank(group_by_name(group_name)), norm_input.shape[0]
@@ -69,8 +93,10 @@ def _backward_fake(grad_y, norm_input, weight, eps, group_name, grad_h):
     return torch.empty_like(grad_y), torch.empty_like(norm_input), torch.empty_like(norm_input)
 
 
-for _name, _impl, _fake in (("reduce_scatter_add_rmsnorm_all_gather", _sharded, _sharded_fake),
-                            ("reduce_scatter_rmsnorm_backward_all_gather", _backward, _backward_fake)):
+_OPS = (("reduce_scatter_add_rmsnorm_all_gather", _sharded, _sharded_fake),
+        ("reduce_scatter_add_rmsnorm_all_gather_quant", _sharded_quant, _sharded_quant_fake),
+        ("reduce_scatter_rmsnorm_backward_all_gather", _backward, _backward_fake))
+for _name, _impl, _fake in _OPS:
     _lib.impl(_name, _impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"tpfuse::{_name}", _fake, lib=_lib)
 
@@ -143,6 +169,53 @@ def reduce_scatter_add_rmsnorm_all_gather(
     if epilogue.quantised:
         return refusing_gradient(lambda: _run(x, residual, weight, eps, group_name, epilogue), *inputs)
     return sharded_block_end_with_gradient(x, residual, weight, eps, group_name, epilogue)
+
+
+def reduce_scatter_add_rmsnorm_all_gather_quant(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    output: str = "fp8",
+    group: dist.ProcessGroup | None = None,
+    quant_scale: torch.Tensor | None = None,
+    scale_group: int | None = None,
+    ue8m0_scales: bool = False,
+    scale_layout: str = "rows",
+    global_scale: torch.Tensor | None = None,
+    normed_copy: bool = False,
+    bias: torch.Tensor | None = None,
+    sum_weight: torch.Tensor | None = None,
+    layer_norm: bool = False,
+    norm_bias: torch.Tensor | None = None,
+) -> QuantizedOutputs:
+    """:func:`reduce_scatter_add_rmsnorm_all_gather` with ``y`` quantised as
+    :func:`tpfuse.allreduce_add_rmsnorm_quant` quantises it (``output``: ``"fp8"`` static or dynamic,
+    ``"nvfp4"``, ``"mxfp4"``; the scales' form and layout; the norm's copy), in the same call.
+
+    Returns
+    -------
+    QuantizedOutputs
+        ``(y, scales, h, normed)``: ``y``, its ``scales`` and ``normed`` for all T rows (gathered, every rank
+        the same bits), ``h`` this rank's T / W rows. A gradient reaching them raises (quantised outputs
+        have none).
+    """
+    epilogue = quantised_block_end(x, output, quant_scale, scale_group, ue8m0_scales, scale_layout,
+                                   global_scale, normed_copy, bias=bias, sum_weight=sum_weight,
+                                   layer_norm=layer_norm, norm_bias=norm_bias)
+    group_name = group_name_of(group)
+    own_rows = check_sharded_inputs(x, residual, weight, eps, epilogue, route_of(group_name).world_size)
+
+    def run():
+        if _through_the_op(x):
+            op = torch.ops.tpfuse.reduce_scatter_add_rmsnorm_all_gather_quant
+            return op(x, residual, weight, eps, group_name, **epilogue.kwargs())
+        return _run_quant(x, residual, weight, eps, group_name, epilogue, own_rows)
+
+    inputs = (x, residual, weight, bias, sum_weight, norm_bias)
+    y, scales, h, normed = refusing_gradient(run, *inputs) if requires_grad(*inputs) else run()
+    return QuantizedOutputs(y, scales if scales.shape[-1] else None, h, normed if normed_copy else None)
 
 
 def reduce_scatter_rmsnorm_backward_all_gather(
