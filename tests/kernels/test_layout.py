@@ -70,11 +70,12 @@ def test_every_flag_travels_in_the_descriptor():
     for name in fields:
         assert getattr(bits, name) < 1 << (bits.MAX_FLAG_BIT + 1), name
     flags = bits.call_flags(torch.bfloat16, False) | bits.FLAG_MOE_FINALIZE | bits.FLAG_TOPK_WEIGHTS \
-        | bits.FLAG_SHARED_EXPERT | bits.MAX_EXPERTS << bits.EXPERTS_SHIFT
+        | bits.FLAG_SHARED_EXPERT | bits.MAX_EXPERTS << bits.EXPERTS_SHIFT | bits.FLAG_SHARDED
     words = bits.describe_call(2, 64, flags, 0, (1 << 31) - 8)
     assert all(0 <= w <= 0x7FFF for w in words), words
     assert explain_descriptor(words) == (
-        "2 x 64 bfloat16 oneshot, no residual, MoE finalize, 15 experts a token, topk_weights, shared expert")
+        "2 x 64 bfloat16 oneshot, no residual, MoE finalize, 15 experts a token, topk_weights, shared "
+        "expert, rows sharded (sequence parallel)")
 
 
 def test_a_finalize_that_differs_in_weights_k_or_shared_expert_differs_in_flags():

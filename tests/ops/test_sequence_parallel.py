@@ -74,6 +74,7 @@ def test_every_block_end_sharded_against_float64_and_the_all_reduce_bits(rank_po
     _check_forward(cases, world_size, results)
     for res in results:  # every sharded call ran fused (two-shot), beside the all-reduce's calls
         assert res["stats"].get("triton.twoshot", 0) >= 2 * len(cases), res["stats"]
+        assert not {"gathered", "reference"} & set(res["stats"]), res["stats"]
 
 
 def test_calls_over_the_workspace_run_in_parts_with_the_same_bits(rank_pool):
@@ -83,6 +84,7 @@ def test_calls_over_the_workspace_run_in_parts_with_the_same_bits(rank_pool):
     _check_forward(cases, 2, results)
     for res in results:  # (12 + 24) / 8 parts sharded, as many all-reduce parts, 2 calls of 2 rows
         assert res["stats"]["triton.twoshot"] + res["stats"].get("triton.oneshot", 0) >= 2 * 5 + 2, res
+        assert not {"gathered", "reference"} & set(res["stats"]), res["stats"]
 
 
 def _gathered(rank, world_size, cases):
@@ -203,17 +205,19 @@ def _float64_gradients(inp, world_size):
                 bias=None if bias is None else bias.grad)
 
 
-@pytest.mark.parametrize("world_size, rows", [(2, 8), (3, 12)])
-def test_the_fused_backward_and_autograd_against_float64(rank_pool, world_size, rows):
-    results = rank_pool(world_size).run(_backward, rows, True)
-    inp = _grad_inputs(world_size, rows, True)
+@pytest.mark.parametrize("world_size, rows, bias", [(2, 8, True), (3, 12, True), (2, 8, False)])
+def test_the_fused_backward_and_autograd_against_float64(rank_pool, world_size, rows, bias):
+    results = rank_pool(world_size).run(_backward, rows, bias)
+    inp = _grad_inputs(world_size, rows, bias)
     ref = _float64_gradients(inp, world_size)
     for rank, res in enumerate(results):
         # a row's bits: the all-reduce backward's
         assert torch.equal(res["grad_in"], res["grad_in_ar"])
         assert torch.equal(res["g_sum"], _own(res["g_sum_ar"], rank, world_size))
         assert torch.equal(res["x"], results[0]["x"]) and torch.equal(res["weight"], results[0]["weight"])
-        for name, scale in (("x", 1), ("residual", 1), ("weight", rows), ("bias", rows)):
+        assert (res["bias"] is None) is not bias
+        checked = (("x", 1), ("residual", 1), ("weight", rows)) + ((("bias", rows),) if bias else ())
+        for name, scale in checked:
             expected = ref[name] if name != "residual" else _own(ref[name], rank, world_size)
             torch.testing.assert_close(res[name].double(), expected, atol=2e-2 * scale, rtol=2e-2,
                                        msg=f"rank {rank}: {name}")

@@ -53,8 +53,9 @@ from tpfuse.compiler.matchers import (
     only_user,
     other_arg,
     prims,
+    sequence_first,
 )
-from tpfuse.compiler.patterns import graph_caller, site_problem, token_limit_problem
+from tpfuse.compiler.patterns import graph_caller, rank_major_rows, site_problem, token_limit_problem
 from tpfuse.compiler.reasons import Reason
 from tpfuse.compiler.sizes import static_int, token_count
 
@@ -119,7 +120,8 @@ def _total(all_reduce: Node) -> tuple[Node, list[Node], list[Node]] | None:
     if not is_call(wait, WAIT):
         return None
     if all_reduce.target == REDUCE_SCATTER:
-        return _sequence_first(all_reduce) or (wait, [all_reduce], [])
+        permuted = sequence_first(all_reduce)  # g: the permute back; the nodes around go with the site
+        return (permuted[1], [all_reduce], permuted[2]) if permuted is not None else (wait, [all_reduce], [])
     group_name, total, members, adds = all_reduce.args[2], wait, [all_reduce], []
     while True:
         add = only_user(total)
@@ -129,18 +131,6 @@ def _total(all_reduce: Node) -> tuple[Node, list[Node], list[Node]] | None:
         if more is None:
             return total, members, adds
         total, members, adds = add, members + more[0], adds + more[1] + [add]
-
-
-def _sequence_first(reduce_scatter: Node) -> tuple[Node, list[Node], list[Node]] | None:
-    """(g, [the reduce-scatter], [the permutes and copy around it]) where x [B, S, H] is permuted to
-    [S, B, H], copied, reduce-scattered and permuted back; else None."""
-    wait = only_user(reduce_scatter)
-    back, copy = only_user(wait), reduce_scatter.args[0]
-    before = copy.args[0] if is_call(copy, aten.clone.default) and len(copy.users) == 1 else None
-    if not (all(is_call(n, aten.permute.default) and list(n.args[1]) == [1, 0, 2] for n in (back, before))
-            and len(before.users) == 1):
-        return None
-    return back, [reduce_scatter], [before, copy, wait]
 
 
 def _reachable(start: Node) -> set:
@@ -330,9 +320,8 @@ def replace(graph: Graph, m: BackwardMatch) -> None:
     val = meta_val(m.total)
     with graph.inserting_before(m.out):
         x = m.parts[0]
-        if m.around:  # [B, S, H] as each rank's rows [B, S / W, H] in turn: rank-major, as the op
-            x = call(aten.reshape.default, x, [_size(call, x, 0), m.shards, -1, m.hidden])
-            x = call(aten.permute.default, x, [1, 0, 2, 3])
+        if m.around:
+            x = rank_major_rows(call, x, m.shards, m.hidden)
         if len(m.parts) > 1:  # the parts summed before the one all-reduce, in fp32, rounded once
             x = call(prims.convert_element_type.default, x, torch.float32)
             for part in m.parts[1:]:

@@ -45,11 +45,26 @@ def collective_args(node: Node) -> tuple[Node, str, str, int]:
     return x, reduce_op, group_name, 0
 
 
+def sequence_first(reduce_scatter: Node) -> tuple[Node, Node, list[Node]] | None:
+    """(x [B, S, H], the permute back after the wait, [the permute, the copy, the wait]) where the
+    reduce-scatter's input is x permuted to [S, B, H] and copied, and its result is permuted back
+    (torchtitan's plain-tensor backend); else None."""
+    wait, copy = only_user(reduce_scatter), reduce_scatter.args[0]
+    back = only_user(wait)
+    before = copy.args[0] if is_call(copy, aten.clone.default) and len(copy.users) == 1 else None
+    if not (all(is_call(n, aten.permute.default) and list(n.args[1]) == [1, 0, 2] for n in (back, before))
+            and len(before.users) == 1):
+        return None
+    return before.args[0], back, [before, copy, wait]
+
+
 def gathered(out: Node, group_name: str, shards: int, hidden: int) -> tuple[Node, list[Node]] | None:
-    """The all-gather of ``out`` (through row views) over the group's ``shards`` ranks, waited on: (the wait,
-    the nodes from ``out`` to it), or None."""
+    """The all-gather of ``out`` (through row views and a copy) over the group's ``shards`` ranks, waited on:
+    (the wait, the nodes from ``out`` to it), or None."""
     views = row_views(out, hidden)
     gather = only_user(views[-1])
+    if is_call(gather, aten.clone.default) and len(gather.users) == 1:  # a contiguous copy first
+        views, gather = views + [gather], only_user(gather)
     if not is_call(gather, ALL_GATHER) or (gather.args[1], str(gather.args[2])) != (shards, str(group_name)):
         return None
     wait = only_user(gather)

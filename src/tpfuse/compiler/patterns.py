@@ -60,6 +60,7 @@ from tpfuse.compiler.matchers import (
     fp8_of,
     gathered,
     is_add,
+    sequence_first,
     is_call,
     is_scalar,
     match_branch,
@@ -79,7 +80,7 @@ from tpfuse.compiler.matchers import (
 )
 from tpfuse.compiler.reasons import DYNAMIC_HIDDEN, Reason, no_communicator
 from tpfuse.compiler.sizes import element_count, size_expr, static_int, token_count
-from tpfuse.blockend.bits import FP4_NVFP4, SCALES_ROWS
+from tpfuse.blockend.bits import FP4_NVFP4, MAX_EXPERTS, SCALES_ROWS
 from tpfuse.blockend.outputs import DynamicFp8, Fp4, Output, StaticFp8, Unquantised
 from tpfuse.blockend.stages import LayerNorm, Norm, RmsNorm
 from tpfuse.blockend.codecs import dynamic_fp8
@@ -220,13 +221,8 @@ class FusionPattern:
         if hidden is None or (shards and (self.quantised or self.branches > 1)):
             return None
         start, around = wait, []
-        if shards and is_call(back := only_user(wait), aten.permute.default) and list(back.args[1]) == [1, 0, 2]:
-            # permute -> contiguous copy -> reduce-scatter -> permute back: x's rows as [B, S, H]
-            before = x.args[0] if is_call(x, aten.clone.default) and len(x.users) == 1 else None
-            if not (is_call(before, aten.permute.default) and list(before.args[1]) == [1, 0, 2]
-                    and len(before.users) == 1):
-                return None
-            x, start, around = before.args[0], back, [before, all_reduce.args[0], wait]
+        if shards and (permuted := sequence_first(all_reduce)) is not None:  # x's rows as [B, S, H]
+            x, start, around = permuted
         chain = row_views(start, hidden)
         m = Match(all_reduce=all_reduce, x=x, group_name=group_name, reduce_op=reduce_op, h=chain[-1],
                   out=chain[-1], weight=None, eps=0.0, hidden=hidden, shards=shards, sequence_first=bool(around),
@@ -370,6 +366,9 @@ class FusionPattern:
             return reason
         if fusion_limit <= 0:
             return no_communicator(m.group_name, m.hidden, x.dtype)
+        if m.finalize is not None and m.finalize.experts > MAX_EXPERTS:  # K travels in the call descriptor
+            return Reason("operands", f"a MoE finalize of {m.finalize.experts} experts a token: the op takes at "
+                                      f"most {MAX_EXPERTS}")
         if (element_count(x.shape) != max(m.shards, 1) * element_count(meta_val(m.h).shape)
                 and not (m.shards and _sharded_shapes(m) is not None)):  # sizes the reduce-scatter divides
             return Reason("operands", f"the all-reduced {tuple(x.shape)} is broadcast by the add to "
@@ -428,11 +427,8 @@ class FusionPattern:
 
         with graph.inserting_before(m.out):
             x2, finalize = _finalized_x(call, m)
-            if m.sequence_first:  # [B, S, H] as each rank's rows [B, S / W, H] in turn: rank-major, as the op
-                batch = static_int(meta_val(m.x).shape[0])
-                batch = batch if batch is not None else call(aten.sym_size.int, m.x, 0)
-                x2 = call(aten.reshape.default, m.x, [batch, m.shards, -1, hidden])
-                x2 = call(aten.reshape.default, call(aten.permute.default, x2, [1, 0, 2, 3]), [-1, hidden])
+            if m.sequence_first:
+                x2 = rank_major_rows(call, m.x, m.shards, hidden)
             if m.x_other is not None:  # one all-reduce of both branches: the second one's x added in the op
                 other = call(aten.reshape.default, m.x_other, [m.x_other_copies, -1, hidden])
                 if m.x_other_copies > 1:  # summing the copies is linear: before the all-reduce, not after
@@ -542,6 +538,15 @@ class FusionPattern:
                                                       inputs.get("scale_layout", SCALES_ROWS))
             return y, scales, h
         return y, h
+
+
+def rank_major_rows(call, x: Node, shards: int, hidden: int) -> Node:
+    """x [B, S, H] as the sharded op takes it: each rank's rows [B, S / W, H] in turn, [W * B * S / W, H]
+    (one copy, as the graph's own permute and copy before its reduce-scatter)."""
+    batch = static_int(meta_val(x).shape[0])
+    batch = batch if batch is not None else call(aten.sym_size.int, x, 0)
+    x = call(aten.permute.default, call(aten.reshape.default, x, [batch, shards, -1, hidden]), [1, 0, 2, 3])
+    return call(aten.reshape.default, x, [-1, hidden])
 
 
 def _sharded_shapes(m: Match) -> tuple[list, list] | None:

@@ -5,6 +5,7 @@ result once (reduce-scatter, then all-gather), still without a barrier round tri
 
     rows:    dealt round-robin to the programs as in the one-shot; row j belongs to rank
              owner(j) = (j + j // programs) % W, so each program owns rows on every rank
+             (``_row_and_owner``)
     scatter: every program stores its rows of x that another rank owns into region RANK of that
              owner's slot
     clear:   the previous slot, as in the one-shot
@@ -23,10 +24,11 @@ sum (before bias, post-norm and residual) and decodes it as the peers do, and ev
 rest of the epilogue to the decoded sum, so all ranks still agree bit for bit.
 
 Sequence parallel (``SHARDED``, ``FusedCall.sharded``): the same protocol with rows owned as a
-reduce-scatter over dim 0 gives them (row j belongs to rank j // (T / W)); the residual, h and the
-norm backward's inputs are the owner's rows only. The owner sends h and every rank norms it as above;
-for RMSNorm's backward, whose inputs only the owner holds, the owner sends y instead, and its peers store
-what they receive. A row's bits are those of the all-reduce path (docs/sequence-parallel.md).
+reduce-scatter over dim 0 gives them (row j belongs to rank j // (T / W)), a program taking its rows
+from the ranks' shards in turn; the residual, h and the norm backward's inputs are the owner's rows
+only. The owner sends h and every rank norms it as above; for RMSNorm's backward, whose inputs only the
+owner holds, the owner sends y instead, and its peers store what they receive. A row's bits are those
+of the all-reduce path (docs/sequence-parallel.md).
 
 Words in our slot come from peers of the same call only (x rows we own, h rows they own), so the
 slot rotation, clearing and extent of the one-shot hold unchanged, and calls of the two kernels
@@ -77,10 +79,15 @@ from tpfuse.kernels.wire import _WIRE_BLOCK, _decode, _encode, wire_supported
 
 
 @triton.jit
-def _owner(row, n_programs, n_tokens, WORLD: tl.constexpr, SHARDED: tl.constexpr):
+def _row_and_owner(i, pid, n_programs, n_tokens, WORLD: tl.constexpr, SHARDED: tl.constexpr):
+    """Row ``i`` of program ``pid`` (its own numbering) and the rank that owns it. Sharded, the program's
+    rows come from each rank's shard in turn (its k-th is row k // W of rank k % W's shard): a group of
+    rows has rows of every owner, so no rank waits while another reduces (the shards are contiguous)."""
+    k = pid + i * n_programs
     if SHARDED:
-        return row // (n_tokens // WORLD)
-    return (row + row // n_programs) % WORLD
+        owner = k % WORLD
+        return owner * (n_tokens // WORLD) + k // WORLD, owner
+    return k, (k + k // n_programs) % WORLD
 
 
 @triton.jit
@@ -135,8 +142,7 @@ def _scatter(x_ptr, steps, peer_ptrs_ptr, send_base, n_tokens, hidden, pid, n_pr
     """Send this program's rows first..last-1 (its own numbering) that another rank owns, to that owner."""
     i = first
     while i < last:
-        row = pid + i * n_programs
-        owner = _owner(row, n_programs, n_tokens, WORLD, SHARDED)
+        row, owner = _row_and_owner(i, pid, n_programs, n_tokens, WORLD, SHARDED)
         if owner != RANK:
             if WIRE:
                 words, exponents = _encode(_partial_row(x_ptr, steps, row, cols, mask, hidden, STEPS),
@@ -186,8 +192,8 @@ def _reduce_owned(x_ptr, residual_ptr, y_ptr, h_ptr, steps, peer_ptrs_ptr, own_s
     (on the fp8 wire: the sum, as codes; RMSNorm's backward of a sharded call: y)."""
     i = first
     while i < last:
-        row = pid + i * n_programs
-        if _owner(row, n_programs, n_tokens, WORLD, SHARDED) == RANK:
+        row, owner = _row_and_owner(i, pid, n_programs, n_tokens, WORLD, SHARDED)
+        if owner == RANK:
             offs = row.to(tl.int64) * hidden + cols
             own_offs = _own_offs(row, offs, cols, n_tokens, hidden, RANK, WORLD, SHARDED)
             if WIRE:
@@ -238,8 +244,7 @@ def _gather_others(residual_ptr, y_ptr, h_ptr, steps, own_slot, params, n_tokens
     then store h and y; in a sharded call y alone (RMSNorm's backward: the owner's y, as it came)."""
     i = first
     while i < last:
-        row = pid + i * n_programs
-        owner = _owner(row, n_programs, n_tokens, WORLD, SHARDED)
+        row, owner = _row_and_owner(i, pid, n_programs, n_tokens, WORLD, SHARDED)
         if owner != RANK:
             offs = row.to(tl.int64) * hidden + cols
             if WIRE:

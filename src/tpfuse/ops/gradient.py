@@ -72,7 +72,8 @@ class _BlockEnd(torch.autograd.Function):
         if grads.get("topk_weights") is not None:
             # The weights are the same on every rank, each rank's experts' outputs its part of the sum: the
             # weights' gradient is the sum of every rank's part.
-            grads["topk_weights"] = _summed_over_ranks(grads["topk_weights"], ctx.group_name)
+            grads["topk_weights"] = _summed_over_ranks(grads["topk_weights"], ctx.group_name,
+                                                       "the MoE weights' gradient")
         # Each gradient in its input's dtype (the residual's is x's); none for an input the call had not.
         dtypes = {"x": x.dtype, "residual": x.dtype if ctx.has_residual else None, "weight": weight.dtype,
                   **{name: None if t is None else t.dtype for name, t in named.items()}}
@@ -82,11 +83,10 @@ class _BlockEnd(torch.autograd.Function):
                 *(out[n] for n in _STEP_TENSORS))
 
 
-def _summed_over_ranks(t: torch.Tensor, group_name: str) -> torch.Tensor:
-    """The sum over the group's ranks of ``t``, gathered and summed in rank order
+def _summed_over_ranks(t: torch.Tensor, group_name: str, what: str) -> torch.Tensor:
+    """The sum over the group's ranks of ``t`` (``what``, for an error), gathered and summed in rank order
     (``route.sum_in_rank_order``), the wait bounded as the reference path's."""
-    parts = agreement.all_gather(t.contiguous(), group_by_name(group_name), default_wait_timeout_s(),
-                                 "the MoE weights' gradient")
+    parts = agreement.all_gather(t.contiguous(), group_by_name(group_name), default_wait_timeout_s(), what)
     return sum_in_rank_order(parts)
 
 
@@ -179,7 +179,8 @@ class _ShardedBlockEnd(torch.autograd.Function):
         x_dtype, residual_dtype, weight_dtype, bias_dtype = ctx.dtypes
         # Each rank's rows give their part of the weight's gradient: summed over the ranks in rank order,
         # the same on every rank (a replicated parameter's). The bias's comes from every row, gathered.
-        g_weight = _summed_over_ranks(rmsnorm_weight_grad(h, g_y_sum, ctx.eps), ctx.group_name)
+        g_weight = _summed_over_ranks(rmsnorm_weight_grad(h, g_y_sum, ctx.eps), ctx.group_name,
+                                      "a sharded norm weight's gradient")
         g_residual = None if residual_dtype is None else own.to(residual_dtype)
         g_bias = None if bias_dtype is None else g_rows.float().sum(0).to(bias_dtype)
         return None, None, g_rows.to(x_dtype), g_residual, g_weight.to(weight_dtype), g_bias

@@ -84,7 +84,9 @@ class Route:
         if x.get_device() == self._comm_device:
             comm.check_usable()
             plan = comm.plan(call)
-            if plan.route != select.REFERENCE and (self._invariant_fused or not batch_invariant()):
+            # (a sharded call never takes the fp8 wire: our kernels' sharded calls are always invariant)
+            invariant = self._invariant_fused or (call.sharded and comm.backend == "triton")
+            if plan.route != select.REFERENCE and (invariant or not batch_invariant()):
                 return plan
             if plan.route != select.REFERENCE:
                 _say_once(f"tpfuse: group {self.group_name!r}: batch-invariant mode: the communicator's "
@@ -252,18 +254,18 @@ def _block_end_of_shards(call: FusedCall, parts: list[torch.Tensor], group: dist
     """A sharded call's outputs from every rank's part: the ranks' h-side rows (the residual, the norm
     backward's inputs) gathered too, the whole call's block end as :func:`block_end_of_parts` makes it,
     this rank's rows of h kept."""
-    def gathered(t):
+    def every_ranks_rows(t):
         if t is None:
             return None
         rows = agreement.all_gather(t.contiguous().view(torch.uint8), group, timeout, "a sharded call's rows")
         return torch.cat([r.view(t.dtype) for r in rows])
 
     epilogue = call.epilogue
-    own = {name: gathered(getattr(epilogue, name)) for stage in epilogue.stages
-           if stage is not None and stage.on_own_rows for name in stage.per_row}
+    h_side = {name: every_ranks_rows(getattr(epilogue, name)) for stage in epilogue.stages
+              if stage is not None and stage.on_own_rows for name in stage.per_row}
     h = torch.empty_like(parts[0])
-    whole = call._replace(residual=gathered(call.residual), h=h, sharded=False,
-                          epilogue=dataclasses.replace(epilogue, **own) if own else epilogue)
+    whole = call._replace(residual=every_ranks_rows(call.residual), h=h, sharded=False,
+                          epilogue=dataclasses.replace(epilogue, **h_side) if h_side else epilogue)
     block_end_of_parts(whole, parts)
     rank = dist.get_rank(group)
     call.h.copy_(h[rank * call.own_rows:(rank + 1) * call.own_rows])
