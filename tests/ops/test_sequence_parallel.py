@@ -223,6 +223,30 @@ def test_the_fused_backward_and_autograd_against_float64(rank_pool, world_size, 
                                        msg=f"rank {rank}: {name}")
 
 
+def _backward_paths(rank, world_size, rows):
+    """The fused backward of the same rows through the fused call, parts over a workspace of 4 rows and
+    the gathered path (no communicator)."""
+    inp = _grad_inputs(world_size, rows, False)
+    args = (inp["g_ys"][rank], _own(inp["residual"], rank, world_size), inp["weight"], EPS,
+            _own(inp["g_h"], rank, world_size))
+    out, stats = [], []
+    for max_tokens in (64, 4, None):
+        tpfuse.destroy_all()
+        if max_tokens is not None:
+            tpfuse.get_communicator(max_tokens=max_tokens, hidden=HIDDEN)
+        tpfuse.reset_stats()
+        out.append(tpfuse.reduce_scatter_rmsnorm_backward_all_gather(*args))
+        stats.append(tpfuse.stats())
+    return out, stats
+
+
+def test_the_fused_backward_has_the_same_bits_in_parts_and_on_the_gathered_path(rank_pool):
+    for out, stats in rank_pool(2).run(_backward_paths, 8):
+        assert stats == [{"triton.twoshot": 1}, {"triton.twoshot": 2}, {"gathered": 1}], stats
+        for path in out[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(path, out[0], strict=True))
+
+
 def _mismatched(rank, world_size):
     tpfuse.get_communicator(max_tokens=16, hidden=4096, wait_timeout_s=20)
     x, weight = torch.randn(8, 64).bfloat16(), torch.ones(64).bfloat16()
