@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from tpfuse.blockend import bits, outputs
-from tpfuse.blockend.epilogue import PLAIN, Epilogue, StepTensors
+from tpfuse.blockend.epilogue import PLAIN, Epilogue, StepTensors, rows_of_every_shard
 
 _STEPS = len(StepTensors._fields)
 
@@ -118,7 +118,7 @@ class FusedCall(NamedTuple):
         (x's rows copied together; h, the residual and h-side inputs sliced; y, its scales and the norm's
         copy new tensors that :meth:`place_shard_part` puts back). Scales must slice by rows."""
         def x_rows(t):
-            return t.unflatten(0, (world_size, -1))[:, start:stop].flatten(0, 1)
+            return rows_of_every_shard(t, start, stop, world_size).flatten(0, 1)
 
         def fresh(t):
             return None if t is None else torch.empty_like(x_rows(t))
@@ -133,7 +133,7 @@ class FusedCall(NamedTuple):
         """Copy a :meth:`shard_part`'s gathered outputs into this call's."""
         for whole, got in ((self.y, part.y), (self.scales, part.scales), (self.normed, part.normed)):
             if whole is not None:
-                whole.unflatten(0, (world_size, -1))[:, start:stop] = got.unflatten(0, (world_size, -1))
+                rows_of_every_shard(whole, start, stop, world_size).copy_(got.unflatten(0, (world_size, -1)))
 
     def kernel_tensors(self) -> tuple:
         """The call's tensors as every kernel of ours takes them, in order: x, residual, weight, y, h, then

@@ -209,7 +209,7 @@ class Epilogue:
             for name in () if stage is None else stage.per_row:
                 if (t := getattr(self, name)) is not None:
                     cut[name] = (t[start:stop] if stage.on_own_rows
-                                 else t.unflatten(0, (world_size, -1))[:, start:stop].flatten(0, 1))
+                                 else rows_of_every_shard(t, start, stop, world_size).flatten(0, 1))
         return dataclasses.replace(self, **cut) if cut else self
 
     def flags(self, hidden: int) -> int:
@@ -336,6 +336,12 @@ class Switches(NamedTuple):
     SCALE_GROUP: int  # dynamic fp8: elements a scale, or 0 for one scale a token
     POW2_SCALES: bool  # dynamic fp8 scales rounded up to powers of two
     SCALE_LAYOUT: int  # SCALES_ROWS, SCALES_COLUMNS, SCALES_PACKED_UE8M0 or SCALES_SHUFFLED (MXFP4)
+
+
+def rows_of_every_shard(t: torch.Tensor, start: int, stop: int, world_size: int) -> torch.Tensor:
+    """Rows ``start:stop`` of each of ``world_size`` equal shards of ``t``'s rows (a sharded call's), as a
+    view [W, stop - start, ...]."""
+    return t.unflatten(0, (world_size, -1))[:, start:stop]
 
 
 def _is_default(value, default) -> bool:

@@ -112,17 +112,18 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_bytes > 0 and b_bytes > 0 and a0 < b0 + b_bytes and b0 < a0 + a_bytes
 
 
-def _quantised_outputs(x: torch.Tensor, epilogue: Epilogue) -> tuple[torch.Tensor, ...]:
+def _quantised_outputs(x: torch.Tensor, epilogue: Epilogue,
+                       h_rows: int | None = None) -> tuple[torch.Tensor, ...]:
     """(y, scales, h, normed) of a quantising call, empty: y fp8 [T, H] or fp4 codes [T, H / 2] (uint8),
-    the scales in their format and layout (float32 [T, 0] where there are none), normed in x's dtype
-    ([T, 0] without ``normed_copy``)."""
+    the scales in their format and layout (float32 [T, 0] where there are none), h [T, H] (or ``h_rows``
+    of a sharded call), normed in x's dtype ([T, 0] without ``normed_copy``)."""
     n_tokens, hidden = x.shape[0], x.shape[-1]
     y = epilogue.output.empty_y(x, n_tokens, hidden)
     scales = epilogue.output.empty_scales(n_tokens, hidden, x.device)
     if scales is None:
         scales = x.new_empty((n_tokens, 0), dtype=torch.float32)
     normed = _empty_rows(x) if epilogue.normed_copy else x.new_empty((n_tokens, 0))
-    return y, scales, _empty_rows(x), normed
+    return y, scales, _empty_rows(x) if h_rows is None else x.new_empty((h_rows, hidden)), normed
 
 
 def _outputs(x: torch.Tensor, epilogue: Epilogue) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,9 +184,7 @@ def _run_quant(x, residual, weight, eps, group_name, epilogue: Epilogue, own_row
     call's (sequence parallel), whose h holds this rank's rows."""
     if not epilogue.quantised:
         raise ValueError("allreduce_add_rmsnorm_quant quantises y: pass quant_scale, scale_group or fp4")
-    y, scales, h, normed = _quantised_outputs(x, epilogue)
-    if own_rows is not None:
-        h = x.new_empty((own_rows, x.shape[-1]))
+    y, scales, h, normed = _quantised_outputs(x, epilogue, own_rows)
     route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, epilogue,
                                        scales if scales.shape[1] else None,
                                        normed if epilogue.normed_copy else None, own_rows is not None))
@@ -509,6 +508,12 @@ def allreduce_add_rmsnorm_quant(
         return _run_quant(x, residual, weight, eps, group_name, epilogue)
 
     inputs = (x, residual, weight, bias, sum_weight, norm_bias, topk_weights, shared_expert)
+    return quantised_result(run, inputs, normed_copy)
+
+
+def quantised_result(run, inputs: tuple, normed_copy: bool) -> QuantizedOutputs:
+    """A quantising call's :class:`QuantizedOutputs` from ``run()`` (its op's four outputs), run so that a
+    gradient reaching them raises where any of ``inputs`` requires one; absent scales and copy as None."""
     y, scales, h, normed = refusing_gradient(run, *inputs) if requires_grad(*inputs) else run()
     return QuantizedOutputs(y, scales if scales.shape[-1] else None, h, normed if normed_copy else None)
 

@@ -28,6 +28,7 @@ from tpfuse.ops.allreduce_add_rmsnorm import (
     _through_the_op,
     check_inputs,
     quantised_block_end,
+    quantised_result,
 )
 from tpfuse.ops.gradient import refusing_gradient, requires_grad, sharded_block_end_with_gradient
 from tpfuse.ops.route import group_by_name, group_name_of, route_of
@@ -57,13 +58,18 @@ def _world_size(group_name: str) -> int:
     return dist.get_world_size(group_by_name(group_name))
 
 
+def _sharded_call(x, residual, weight, eps, group_name: str, epilogue: Epilogue, own_rows: int):
+    """A checked sharded call (:func:`check_sharded_inputs` gave ``own_rows``): its outputs made, run by its
+    group's route."""
+    y, h = _empty_y(x, epilogue), x.new_empty((own_rows, x.shape[1]))
+    route_of(group_name).run(FusedCall(x, residual, weight, eps, y, h, epilogue, sharded=True))
+    return y, h
+
+
 def _sharded(x, residual, weight, eps, group_name, **step_args):
     epilogue = Epilogue.of(step_args)
-    route = route_of(group_name)
-    own_rows = check_sharded_inputs(x, residual, weight, eps, epilogue, route.world_size)
-    y, h = _empty_y(x, epilogue), x.new_empty((own_rows, x.shape[1]))
-    route.run(FusedCall(x, residual, weight, eps, y, h, epilogue, sharded=True))
-    return y, h
+    own_rows = check_sharded_inputs(x, residual, weight, eps, epilogue, route_of(group_name).world_size)
+    return _sharded_call(x, residual, weight, eps, group_name, epilogue, own_rows)
 
 
 def _sharded_fake(x, residual, weight, eps, group_name, **step_args):
@@ -79,14 +85,21 @@ def _sharded_quant(x, residual, weight, eps, group_name, **step_args):
 
 
 def _sharded_quant_fake(x, residual, weight, eps, group_name, **step_args):
-    y, scales, _, normed = _quantised_outputs(x, Epilogue.of(step_args))
-    return y, scales, x.new_empty((x.shape[0] // _world_size(group_name), x.shape[1])), normed
+    return _quantised_outputs(x, Epilogue.of(step_args), x.shape[0] // _world_size(group_name))
 
 
 def _backward(grad_y, norm_input, weight, eps, group_name, grad_h):
-    grad_input, g = _sharded(grad_y, None, weight, eps, group_name, norm_input=norm_input, grad_h=grad_h)
-    rank, rows = dist.get_rank(group_by_name(group_name)), norm_input.shape[0]
-    return grad_input, grad_input[rank * rows:(rank + 1) * rows].clone(), g
+    epilogue = Epilogue(norm_input=norm_input, grad_h=grad_h)
+    own_rows = check_sharded_inputs(grad_y, None, weight, eps, epilogue, route_of(group_name).world_size)
+    return _backward_call(grad_y, weight, eps, group_name, epilogue, own_rows)
+
+
+def _backward_call(grad_y, weight, eps, group_name: str, epilogue: Epilogue, own_rows: int):
+    """A checked sharded backward (``epilogue``: its ``RmsNormBackward``): the gathered gradient, this
+    rank's rows of it, the summed g."""
+    grad_input, g = _sharded_call(grad_y, None, weight, eps, group_name, epilogue, own_rows)
+    rank = dist.get_rank(group_by_name(group_name))
+    return grad_input, grad_input[rank * own_rows:(rank + 1) * own_rows].clone(), g
 
 
 def _backward_fake(grad_y, norm_input, weight, eps, group_name, grad_h):
@@ -101,11 +114,11 @@ for _name, _impl, _fake in _OPS:
     torch.library.register_fake(f"tpfuse::{_name}", _fake, lib=_lib)
 
 
-def _run(x, residual, weight, eps, group_name: str, epilogue: Epilogue):
+def _run(x, residual, weight, eps, group_name: str, epilogue: Epilogue, own_rows: int):
     if _through_the_op(x):
         return torch.ops.tpfuse.reduce_scatter_add_rmsnorm_all_gather(x, residual, weight, eps, group_name,
                                                                        **epilogue.kwargs())
-    return _sharded(x, residual, weight, eps, group_name, **epilogue.kwargs())
+    return _sharded_call(x, residual, weight, eps, group_name, epilogue, own_rows)
 
 
 def reduce_scatter_add_rmsnorm_all_gather(
@@ -162,12 +175,13 @@ def reduce_scatter_add_rmsnorm_all_gather(
     else:
         epilogue = Epilogue(quant_scale, bias, sum_weight, layer_norm, norm_bias)
     group_name = group_name_of(group)
-    check_sharded_inputs(x, residual, weight, eps, epilogue, route_of(group_name).world_size)
+    own_rows = check_sharded_inputs(x, residual, weight, eps, epilogue, route_of(group_name).world_size)
     inputs = (x, residual, weight, bias, sum_weight, norm_bias)
     if not requires_grad(*inputs):
-        return _run(x, residual, weight, eps, group_name, epilogue)
+        return _run(x, residual, weight, eps, group_name, epilogue, own_rows)
     if epilogue.quantised:
-        return refusing_gradient(lambda: _run(x, residual, weight, eps, group_name, epilogue), *inputs)
+        return refusing_gradient(lambda: _run(x, residual, weight, eps, group_name, epilogue, own_rows),
+                                 *inputs)
     return sharded_block_end_with_gradient(x, residual, weight, eps, group_name, epilogue)
 
 
@@ -213,9 +227,7 @@ def reduce_scatter_add_rmsnorm_all_gather_quant(
             return op(x, residual, weight, eps, group_name, **epilogue.kwargs())
         return _run_quant(x, residual, weight, eps, group_name, epilogue, own_rows)
 
-    inputs = (x, residual, weight, bias, sum_weight, norm_bias)
-    y, scales, h, normed = refusing_gradient(run, *inputs) if requires_grad(*inputs) else run()
-    return QuantizedOutputs(y, scales if scales.shape[-1] else None, h, normed if normed_copy else None)
+    return quantised_result(run, (x, residual, weight, bias, sum_weight, norm_bias), normed_copy)
 
 
 def reduce_scatter_rmsnorm_backward_all_gather(
@@ -256,9 +268,9 @@ def reduce_scatter_rmsnorm_backward_all_gather(
         ``grad_y_sum`` [T / W, H]: ``g``, for the weight's gradient.
     """
     group_name = group_name_of(group)
-    check_sharded_inputs(grad_y, None, weight, eps, Epilogue(norm_input=norm_input, grad_h=grad_h),
-                         route_of(group_name).world_size)
+    epilogue = Epilogue(norm_input=norm_input, grad_h=grad_h)
+    own_rows = check_sharded_inputs(grad_y, None, weight, eps, epilogue, route_of(group_name).world_size)
     if _through_the_op(grad_y):
         return torch.ops.tpfuse.reduce_scatter_rmsnorm_backward_all_gather(grad_y, norm_input, weight, eps,
                                                                            group_name, grad_h)
-    return _backward(grad_y, norm_input, weight, eps, group_name, grad_h)
+    return _backward_call(grad_y, weight, eps, group_name, epilogue, own_rows)
